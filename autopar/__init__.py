@@ -1,0 +1,22 @@
+"""autopar: automatic sharding of PyTorch models over a device mesh.
+
+    pm = autopar.compile(model, mesh=(2, 4))      # under torchrun, 8 ranks
+    plan = autopar.plan(model, args, mesh=(2, 4))  # offline
+"""
+
+from autopar.errors import (AutoparError, InputMismatchError, MeshError, ProcessGroupError, SolverError,
+                            TraceError, UnsupportedModelError)
+from autopar.mesh import Mesh
+from autopar.options import Options
+from autopar.placement import Partial, Replicate, Shard, Spec, TensorMeta
+from autopar.plan import Collective, Plan
+from autopar.api import compile, plan
+from autopar.runtime import ParallelModule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compile", "plan", "Plan", "Options", "ParallelModule", "Mesh", "Spec", "TensorMeta", "Shard", "Replicate",
+    "Partial", "Collective", "AutoparError", "TraceError", "UnsupportedModelError", "SolverError", "MeshError",
+    "InputMismatchError", "ProcessGroupError",
+]

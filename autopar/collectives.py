@@ -1,0 +1,203 @@
+"""Collectives on one mesh axis as autograd functions with their conjugate backward,
+and the nn.Module that runs one reshard Step inside an emitted program.
+
+    step         forward                    backward
+    all_reduce   sum (avg: /n, max)         identity (avg: /n; max: where x won)
+    all_gather   gather along dim           own slice, or reduce_scatter when fused with f
+    reduce_scat. sum, keep own chunk        all_gather
+    all_to_all   dim -> to_dim              to_dim -> dim
+    slice        own chunk                  all_gather
+    to_partial   x on coordinate 0, else 0  all_reduce
+    grad_sync    identity                   all_reduce
+
+Nothing here decides what to run: the Plan's steps do. Each call blocks on a
+torch.distributed collective whose timeout is the process group's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.resharding import Step
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """This rank's view of one mesh axis: its process group, size and coordinate."""
+
+    group: Any  # torch.distributed ProcessGroup, or None for a 1-rank axis
+    size: int
+    coord: int
+
+
+def _all_reduce(x: torch.Tensor, comm: AxisComm, reduce: str = "sum") -> torch.Tensor:
+    y = x.contiguous().clone()
+    if comm.size > 1:
+        op = dist.ReduceOp.MAX if reduce == "max" else dist.ReduceOp.SUM
+        dist.all_reduce(y, op=op, group=comm.group)
+        if reduce == "avg":
+            y = y / comm.size
+    return y
+
+
+def _all_gather(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(comm.size)]
+    dist.all_gather(parts, x, group=comm.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // comm.size,) + tuple(moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=comm.group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, dim: int, to_dim: int, comm: AxisComm) -> torch.Tensor:
+    """x is split along `dim` across the axis; return it split along `to_dim` instead."""
+    if comm.size == 1:
+        return x
+    send = [c.contiguous() for c in x.chunk(comm.size, dim=to_dim)]
+    recv = [torch.empty_like(send[0]) for _ in range(comm.size)]
+    dist.all_to_all(recv, send, group=comm.group)
+    return torch.cat(recv, dim=dim)
+
+
+def _slice(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    return x.chunk(comm.size, dim=dim)[comm.coord].contiguous()
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, reduce):
+        y = _all_reduce(x, comm, reduce)
+        ctx.comm, ctx.reduce = comm, reduce
+        if reduce == "max":
+            ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce == "avg":
+            return g / ctx.comm.size, None, None
+        if ctx.reduce == "max":
+            x, y = ctx.saved_tensors
+            return g * (x == y).to(g.dtype), None, None
+        return g, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm, fused_sync):
+        ctx.dim, ctx.comm, ctx.fused_sync = dim, comm, fused_sync
+        return _all_gather(x, dim, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.fused_sync:
+            return _reduce_scatter(g, ctx.dim, ctx.comm), None, None, None
+        return _slice(g, ctx.dim, ctx.comm), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _reduce_scatter(x, dim, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.dim, ctx.comm), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, to_dim, comm):
+        ctx.dim, ctx.to_dim, ctx.comm = dim, to_dim, comm
+        return _all_to_all(x, dim, to_dim, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.to_dim, ctx.dim, ctx.comm), None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _slice(x, dim, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.dim, ctx.comm), None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.clone() if comm.coord == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.comm), None
+
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.comm), None
+
+
+def run_step(step: Step, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """Apply one reshard step to this rank's local tensor."""
+    if step.kind == "all_reduce":
+        return _AllReduce.apply(x, comm, step.reduce)
+    if step.kind == "all_gather":
+        return _AllGather.apply(x, step.dim, comm, step.backward == "reduce_scatter")
+    if step.kind == "reduce_scatter":
+        return _ReduceScatter.apply(x, step.dim, comm)
+    if step.kind == "all_to_all":
+        return _AllToAll.apply(x, step.dim, step.to_dim, comm)
+    if step.kind == "slice":
+        return _Slice.apply(x, step.dim, comm)
+    if step.kind == "to_partial":
+        return _ToPartial.apply(x, comm)
+    if step.kind == "grad_sync":
+        return _GradSync.apply(x, comm)
+    raise ValueError(f"unknown reshard step {step.kind!r}")
+
+
+class StepModule(nn.Module):
+    """One reshard step in an emitted program: `all_gather_3 = self.all_gather_3(x)`."""
+
+    def __init__(self, step: Step, comm: Optional[AxisComm]) -> None:
+        super().__init__()
+        self.step = step
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            raise RuntimeError(f"{self.step} has no process group: this program was emitted for reading, "
+                               "not running; build it through autopar.compile")
+        return run_step(self.step, x, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{self.step}, backward={self.step.backward}"

@@ -1,0 +1,24 @@
+"""Planning options: one frozen dataclass, a comment per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Options:
+    # device preset the analytic cost model plans for: "cpu", "a100", "h100", "h200"
+    device: str = "cpu"
+    # plan for training (backward compute, conjugate collectives, gradient sync) or
+    # inference; None lets model.training decide
+    training: Optional[bool] = None
+    # single-input ops follow their producer and placeholders with one use follow their
+    # consumer, instead of getting free ILP variables (much smaller ILP, near-equal plans)
+    follow: bool = True
+    # "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc"
+    solver: str = "auto"
+    # wall-clock limit for the ILP solve; the best plan found so far is used after it
+    time_limit_s: float = 120.0
+    # seconds before a collective that does not complete raises instead of hanging
+    collective_timeout_s: float = 300.0

@@ -1,0 +1,148 @@
+"""Placements and tensor specs: plain, frozen, hashable data.
+
+A placement says how one mesh axis holds a tensor; a Spec is one placement per mesh
+axis plus the tensor's global shape and dtype. Nothing here runs a collective.
+
+    R      every rank on the axis holds the whole tensor
+    S(d)   the tensor is split in equal chunks along dim d across the axis
+    P      every rank holds a summand; the true value is their sum
+    P(avg) / P(max): the true value is the mean / maximum over the axis
+
+Several axes may shard the same dim: the earlier mesh axis is the outer split
+(rank (i, j) of a (2, 4) mesh with S(0)S(0) holds chunk i * 4 + j of 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+PARTIAL_REDUCES = ("sum", "avg", "max")
+
+
+@dataclass(frozen=True)
+class Partial:
+    reduce: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in PARTIAL_REDUCES:
+            raise ValueError(f"Partial reduce must be one of {PARTIAL_REDUCES}, got {self.reduce!r}")
+
+    def __str__(self) -> str:
+        return "P" if self.reduce == "sum" else f"P({self.reduce})"
+
+
+Placement = Union[Replicate, Shard, Partial]
+R = Replicate()
+P = Partial()
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of str(placement): 'R', 'S(2)', 'P', 'P(avg)'."""
+    if text == "R":
+        return R
+    if text == "P":
+        return P
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    if text.startswith("P(") and text.endswith(")"):
+        return Partial(text[2:-1])
+    raise ValueError(f"not a placement: {text!r} (expected R, S(d), P or P(avg|max))")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Global shape and dtype of one tensor of the traced graph."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.dtype.itemsize
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(tuple(int(s) for s in t.shape), t.dtype)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How a tensor lives on the mesh: one placement per mesh axis."""
+
+    placements: tuple[Placement, ...]
+    meta: TensorMeta
+
+    def __str__(self) -> str:
+        return "".join(str(p) for p in self.placements)
+
+    def shard_axes(self, dim: int) -> tuple[int, ...]:
+        """Mesh axes that split `dim`, outermost first."""
+        return tuple(a for a, p in enumerate(self.placements) if p == Shard(dim))
+
+    def is_replicated(self) -> bool:
+        return all(p == R for p in self.placements)
+
+    def local_shape(self, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(self.meta.shape)
+        for axis, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                shape[p.dim] //= mesh_shape[axis]
+        return tuple(shape)
+
+    def local_nbytes(self, mesh_shape: tuple[int, ...]) -> int:
+        return prod(self.local_shape(mesh_shape)) * self.meta.dtype.itemsize
+
+    def fits(self, mesh_shape: tuple[int, ...]) -> bool:
+        """True when every sharded dim divides evenly over the axes that split it."""
+        if len(self.placements) != len(mesh_shape):
+            return False
+        for d, size in enumerate(self.meta.shape):
+            ways = prod(mesh_shape[a] for a in self.shard_axes(d))
+            if ways > 1 and (size % ways != 0 or size < ways):
+                return False
+        for p in self.placements:
+            if isinstance(p, Shard) and not 0 <= p.dim < self.meta.ndim:
+                return False
+        return True
+
+
+def replicated(meta: TensorMeta, mesh_ndim: int) -> Spec:
+    return Spec((R,) * mesh_ndim, meta)
+
+
+def local_chunk(t: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:
+    """The block of the full tensor `t` that the rank at `coords` holds under `spec`.
+
+    Partial placements keep the full value on coordinate 0 and zeros elsewhere (a
+    valid summand decomposition); inputs and parameters are never partial in practice.
+    """
+    out = t
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            out = out.chunk(mesh_shape[axis], dim=p.dim)[coords[axis]]
+        elif isinstance(p, Partial) and p.reduce == "sum" and coords[axis] != 0:
+            out = torch.zeros_like(out)
+    return out

@@ -1,0 +1,162 @@
+"""From one spec to another: the ordered steps that turn a producer's layout into
+the layout a consumer needs. Used by the cost model (to price an edge) and by the
+rewrite (to emit it), so both always agree on what an edge does.
+
+Each step acts on one mesh axis and has a forward and a conjugate backward:
+
+    forward          backward           when
+    all_reduce       identity           P -> R
+    reduce_scatter   all_gather         P -> S(d)
+    all_gather       slice              S(d) -> R, result used by replicated work
+    all_gather       reduce_scatter     S(d) -> R, result used by work split on the axis
+    all_to_all       all_to_all         S(d) -> S(e)
+    slice            all_gather         R -> S(d)
+    to_partial       all_reduce         R -> P (coordinate 0 keeps the value, others 0)
+    grad_sync        all_reduce         R used by work split on the axis (Megatron's f)
+
+The gradient contract: the gradient of a value that is R on an axis arrives complete
+and identical on every rank of that axis. grad_sync is what keeps it when a replicated
+value feeds a computation whose ranks do different work (data-parallel gradient sync
+and Megatron's f are both this one step).
+
+Steps, in order: 1. resolve partials, 2. gather shards that the target does not keep
+(inner axes first), 3. slice the new shards (outer axes first), 4. make partials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from autopar.placement import Partial, Placement, R, Replicate, Shard, Spec
+
+
+@dataclass(frozen=True)
+class Step:
+    """One move on one mesh axis; `dim`/`to_dim` are tensor dims where they apply."""
+
+    kind: str  # all_reduce | reduce_scatter | all_gather | all_to_all | slice | to_partial | grad_sync
+    axis: int
+    dim: Optional[int] = None
+    to_dim: Optional[int] = None
+    reduce: str = "sum"
+    backward: str = "identity"
+    before: Optional[Spec] = None  # the layout the step starts from (its local bytes)
+
+    def __str__(self) -> str:
+        args = [f"axis={self.axis}"]
+        if self.dim is not None:
+            args.append(f"dim={self.dim}")
+        if self.to_dim is not None:
+            args.append(f"to_dim={self.to_dim}")
+        if self.kind == "all_reduce" and self.reduce != "sum":
+            args.append(f"op={self.reduce}")
+        return f"{self.kind}({', '.join(args)})"
+
+
+COMMUNICATING = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"})
+
+
+class Unreachable(Exception):
+    """No sequence of steps turns the source layout into the target (e.g. S -> P)."""
+
+
+def _with(spec: Spec, axis: int, p: Placement) -> Spec:
+    ps = list(spec.placements)
+    ps[axis] = p
+    return Spec(tuple(ps), spec.meta)
+
+
+def _kept_shards(cur: Spec, dst: Spec) -> set[int]:
+    """Axes whose shard survives: per dim, the source's shard axes must be a prefix of
+    the target's, otherwise the nesting order would be wrong and they are regathered."""
+    kept: set[int] = set()
+    for d in range(cur.meta.ndim):
+        src_axes, dst_axes = cur.shard_axes(d), dst.shard_axes(d)
+        if src_axes and dst_axes[: len(src_axes)] == src_axes:
+            kept.update(src_axes)
+    return kept
+
+
+def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) -> tuple[Step, ...]:
+    """Steps from `src` to `dst`; raises Unreachable when there is no path.
+
+    `grad_sync_axes` are the mesh axes on which the consumer does split work while
+    reading this value as R: their backward must all-reduce (or reduce-scatter, when
+    fused into the all-gather that produced the R).
+    """
+    if src.meta != dst.meta:
+        raise ValueError(f"reshard between different tensors: {src.meta} vs {dst.meta}")
+    steps: list[Step] = []
+    cur = src
+    n = len(src.placements)
+
+    # 1. resolve partials
+    for a in range(n):
+        p, want = cur.placements[a], dst.placements[a]
+        if not isinstance(p, Partial) or p == want:
+            continue
+        lone_dim = isinstance(want, Shard) and all(
+            b == a or (cur.placements[b] != want and dst.placements[b] != want) for b in range(n))
+        if lone_dim and p.reduce == "sum":
+            steps.append(Step("reduce_scatter", a, dim=want.dim, backward="all_gather", before=cur))
+            cur = _with(cur, a, want)
+        else:
+            steps.append(Step("all_reduce", a, reduce=p.reduce, backward="identity", before=cur))
+            cur = _with(cur, a, R)
+
+    # 2. all_to_all where a single axis moves its shard to a free dim; else gather
+    kept = _kept_shards(cur, dst)
+    for a in reversed(range(n)):
+        p, want = cur.placements[a], dst.placements[a]
+        if not isinstance(p, Shard) or a in kept:
+            continue
+        if (isinstance(want, Shard) and len(cur.shard_axes(p.dim)) == 1 and not cur.shard_axes(want.dim)
+                and dst.shard_axes(want.dim) == (a,)):
+            steps.append(Step("all_to_all", a, dim=p.dim, to_dim=want.dim, backward="all_to_all", before=cur))
+            cur = _with(cur, a, want)
+            continue
+        steps.append(Step("all_gather", a, dim=p.dim, backward="slice", before=cur))
+        cur = _with(cur, a, R)
+
+    # 3. slice new shards, outer axes first
+    for a in range(n):
+        want = dst.placements[a]
+        if isinstance(want, Shard) and cur.placements[a] == R:
+            steps.append(Step("slice", a, dim=want.dim, backward="all_gather", before=cur))
+            cur = _with(cur, a, want)
+
+    # 4. make partials
+    for a in range(n):
+        p, want = cur.placements[a], dst.placements[a]
+        if isinstance(want, Partial) and p == R:
+            if want.reduce == "sum":
+                steps.append(Step("to_partial", a, backward="all_reduce", before=cur))
+            # avg or max of identical copies is the value itself: nothing to do
+            cur = _with(cur, a, want)
+
+    if cur != dst:
+        raise Unreachable(f"no reshard path from {src} to {dst} for tensor {src.meta.shape}")
+    return tuple(_attach_grad_sync(steps, cur, grad_sync_axes))
+
+
+def _attach_grad_sync(steps: list[Step], final: Spec, axes: tuple[int, ...]) -> list[Step]:
+    for a in axes:
+        if final.placements[a] != R:
+            continue
+        last = next((i for i in reversed(range(len(steps))) if steps[i].axis == a), None)
+        if last is not None and steps[last].kind == "all_gather":
+            s = steps[last]
+            steps[last] = Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, "reduce_scatter", s.before)
+        else:
+            steps.append(Step("grad_sync", a, backward="all_reduce", before=final))
+    return steps
+
+
+def split_axes(inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> tuple[int, ...]:
+    """Mesh axes on which an op under these specs does different work on each rank."""
+    specs = inputs + outputs
+    if not specs:
+        return ()
+    n = len(specs[0].placements)
+    return tuple(a for a in range(n) if any(not isinstance(s.placements[a], Replicate) for s in specs))

@@ -1,0 +1,184 @@
+"""ParallelModule: runs the per-rank program on a torch DeviceMesh.
+
+Every rank passes the same full inputs; each takes its own block locally (no
+communication), runs its program, and gets full outputs back. Parameters live as
+this rank's shards (nn.Parameters under `.shards`), so optimisers work unchanged.
+Without example inputs the model is traced and planned at the first call, and again
+for every new input signature (shapes, dtypes, non-tensor values); later plans keep
+the parameter layouts of the first, so the shards stay valid across signatures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar import _compat
+from autopar.collectives import AxisComm
+from autopar.errors import InputMismatchError, MeshError, ProcessGroupError
+from autopar.mesh import Mesh
+from autopar.options import Options
+from autopar.placement import Placement
+from autopar.plan import Plan
+from autopar.planning import plan_traced
+from autopar.passes.emit import RankProgram, emit, shard
+from autopar.passes.trace import TracedGraph, flatten_inputs, trace
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    traced: TracedGraph
+    plan: Plan
+    program: RankProgram
+
+
+def _signature(tensors: list[torch.Tensor], spec: Any, consts: tuple) -> tuple:
+    return (str(spec), repr(consts), tuple((tuple(t.shape), t.dtype) for t in tensors))
+
+
+class ParallelModule(nn.Module):
+    def __init__(self, model: nn.Module, mesh: Mesh, options: Options) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ProcessGroupError(
+                "autopar.compile needs an initialised process group: launch with torchrun "
+                "(torchrun --nproc-per-node N script.py) and call torch.distributed.init_process_group(), "
+                "or use autopar.plan(...) to plan offline without processes")
+        world = dist.get_world_size()
+        if world != mesh.size:
+            raise MeshError(f"mesh {mesh.shape} has {mesh.size} devices but the process group has {world} ranks; "
+                            f"pick a mesh whose sizes multiply to {world}")
+        devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+        if len(devices) > 1:
+            raise MeshError(f"model {type(model).__name__} has parameters on several devices {sorted(map(str, devices))}; "
+                            "move it to one device (model.to(device)) before compiling")
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self.mesh = mesh
+        self.options = options
+        self.rank = dist.get_rank()
+        self.coords = mesh.coords(self.rank)
+        self._comms = self._axis_comms(mesh)
+        self.__dict__["_model"] = model  # not a submodule: its full parameters are not ours
+        self.shards = nn.Module()
+        self._compiled: dict[tuple, _Compiled] = {}
+        self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None
+        self._last: Optional[_Compiled] = None
+
+    def _axis_comms(self, mesh: Mesh) -> tuple[AxisComm, ...]:
+        comms = []
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        for axis, size in enumerate(mesh.shape):
+            group = None
+            if size > 1:
+                # every rank must create every group, in the same order
+                for first in range(mesh.size):
+                    ranks = mesh.axis_ranks(first, axis)
+                    if ranks[0] != first:
+                        continue
+                    g = dist.new_group(list(ranks), backend=backend,
+                                       timeout=_timedelta(self.options.collective_timeout_s))
+                    if self.rank in ranks:
+                        group = g
+            comms.append(AxisComm(group, size, self.coords[axis]))
+        return tuple(comms)
+
+    # ---- planning -------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        if self._last is None:
+            raise RuntimeError("no plan yet: the module is planned at its first call (or pass example inputs "
+                               "to autopar.compile to plan eagerly)")
+        return self._last.plan
+
+    @property
+    def code(self) -> str:
+        """The Python source of this rank's program, with its collectives visible."""
+        if self._last is None:
+            raise RuntimeError("no program yet: call the module once, or compile with example inputs")
+        return self._last.program.code
+
+    def prepare(self, args: tuple = (), kwargs: Optional[dict] = None) -> Plan:
+        """Trace and plan for these inputs now (what the first call would do)."""
+        tensors, spec, consts = flatten_inputs(args, kwargs or {})
+        return self._get(args, kwargs or {}, _signature(tensors, spec, consts)).plan
+
+    def _get(self, args: tuple, kwargs: dict, key: tuple) -> _Compiled:
+        if key in self._compiled:
+            return self._compiled[key]
+        traced = trace(self._model, args, kwargs)
+        _, plan = plan_traced(traced, self.mesh, self.options, self._pinned)
+        program = emit(traced, plan, self.coords, self._comms)
+        if self._pinned is None:
+            self._materialise_state(traced, plan)
+        compiled = _Compiled(traced, plan, program)
+        self._compiled[key] = compiled
+        return compiled
+
+    def _materialise_state(self, traced: TracedGraph, plan: Plan) -> None:
+        state = dict(self._model.named_parameters(remove_duplicate=False))
+        buffers = dict(self._model.named_buffers(remove_duplicate=False))
+        pinned = {}
+        for gi in traced.inputs:
+            if gi.kind not in ("parameter", "buffer"):
+                continue
+            spec = plan.node(gi.name).outputs[0]
+            pinned[gi.target] = spec.placements
+            if gi.kind == "parameter":
+                full = state[gi.target]
+                local = nn.Parameter(shard(full.detach(), spec, self.mesh.shape, self.coords),
+                                     requires_grad=full.requires_grad)
+                _set_nested(self.shards, gi.target, local, parameter=True)
+            else:
+                _set_nested(self.shards, gi.target, shard(buffers[gi.target], spec, self.mesh.shape, self.coords),
+                            parameter=False)
+        self._pinned = pinned
+
+    # ---- running ----------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tensors, spec, consts = flatten_inputs(args, kwargs)
+        compiled = self._get(args, kwargs, _signature(tensors, spec, consts))
+        self._last = compiled
+        program = compiled.program
+        local = []
+        for gi, s in zip(program.inputs, program.specs):
+            if gi.kind in ("parameter", "buffer"):
+                local.append(_get_nested(self.shards, gi.target))
+            elif gi.kind == "constant":
+                local.append(shard(compiled.traced.constants[gi.target], s, self.mesh.shape, self.coords))
+            else:
+                t = tensors[gi.target]
+                if t.device != self.device:
+                    raise InputMismatchError(f"input {gi.name} is on {t.device} but the model is on {self.device}; "
+                                             "move inputs to the model's device")
+                local.append(shard(t, s, self.mesh.shape, self.coords) if not s.is_replicated() else t)
+        outputs = program.gm(*local)
+        return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+    return timedelta(seconds=seconds)
+
+
+def _set_nested(root: nn.Module, dotted: str, value: Any, parameter: bool) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p) or not isinstance(getattr(mod, p), nn.Module):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    if parameter:
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def _get_nested(root: nn.Module, dotted: str) -> Any:
+    obj: Any = root
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj

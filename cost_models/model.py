@@ -1,0 +1,99 @@
+"""The cost model the solver reads: seconds for an op under a strategy, seconds for
+a reshard step (forward and its conjugate backward), bytes per rank.
+
+Compute comes from the analytic roofline for now; a profile (measured times keyed by
+op, local shapes, dtype and device) plugs in through `compute_table` and takes
+priority where it has an entry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from autopar.placement import Spec, TensorMeta
+from autopar.resharding import Step
+from autopar.cost_models import comm, compute
+from autopar.cost_models.devices import DeviceSpec, Link, preset
+
+# (target, local inputs, local outputs) -> forward seconds, or None when not measured
+ComputeTable = Callable[[Any, tuple, tuple], Optional[float]]
+
+
+@dataclass(frozen=True)
+class Cost:
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.compute_s + other.compute_s, self.comm_s + other.comm_s)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    device: DeviceSpec
+    mesh_shape: tuple[int, ...]
+    training: bool = False
+    links: tuple[Link, ...] = ()  # per mesh axis; defaults from the device preset
+    compute_table: Optional[ComputeTable] = field(default=None, compare=False)
+
+    @staticmethod
+    def analytic(device: "str | DeviceSpec", mesh_shape: tuple[int, ...], training: bool = False) -> "CostModel":
+        spec = preset(device) if isinstance(device, str) else device
+        return CostModel(spec, tuple(mesh_shape), training)
+
+    def link(self, axis: int) -> Link:
+        if self.links:
+            return self.links[axis]
+        return self.device.link(axis, len(self.mesh_shape))
+
+    def local(self, spec: Spec) -> TensorMeta:
+        return TensorMeta(spec.local_shape(self.mesh_shape), spec.meta.dtype)
+
+    # ---- compute -------------------------------------------------------------
+    def op_cost(self, target: Any, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> Cost:
+        li = tuple(self.local(s) for s in inputs)
+        lo = tuple(self.local(s) for s in outputs)
+        fwd = None
+        if self.compute_table is not None:
+            fwd = self.compute_table(target, li, lo)
+        if fwd is None:
+            fwd = compute.compute_s(self.device, target, li, lo)
+        if self.training:
+            fwd *= 1.0 + compute.backward_factor(target, lo)
+        return Cost(compute_s=fwd)
+
+    # ---- communication -------------------------------------------------------
+    def _collective_s(self, kind: str, step: Step) -> float:
+        n = self.mesh_shape[step.axis]
+        link = self.link(step.axis)
+        local = step.before.local_nbytes(self.mesh_shape) if step.before is not None else 0
+        if kind == "all_reduce":
+            return comm.all_reduce_s(local, n, link)
+        if kind == "all_gather":
+            # forward: gathers `local` from each rank; as a backward of slice/reduce_scatter the
+            # gradient being gathered is the size of the step's result
+            full = local * n if step.kind == "all_gather" else local
+            return comm.all_gather_s(full, n, link)
+        if kind == "reduce_scatter":
+            full = local * n if step.kind == "all_gather" else local
+            return comm.reduce_scatter_s(full, n, link)
+        if kind == "all_to_all":
+            return comm.all_to_all_s(local, n, link)
+        if kind in ("slice", "to_partial", "grad_sync", "identity"):
+            return 0.0
+        raise ValueError(f"unknown collective kind {kind!r}")
+
+    def step_cost(self, step: Step) -> Cost:
+        fwd = self._collective_s(step.kind, step)
+        bwd = self._collective_s(step.backward, step) if self.training else 0.0
+        return Cost(comm_s=fwd + bwd)
+
+    def steps_cost(self, steps: tuple[Step, ...]) -> Cost:
+        total = Cost()
+        for s in steps:
+            total = total + self.step_cost(s)
+        return total

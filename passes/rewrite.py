@@ -1,0 +1,102 @@
+"""Stage 5: rewrite the traced graph into the program one rank runs.
+
+    before:  view_7 = view(addmm_1, [2, 8, 32]);  add_4 = add(view_7, dropout)
+    after:   all_reduce_0 = self.all_reduce_0(addmm_1)          # P -> R on axis 1
+             view_7 = view(all_reduce_0, [2, 8, 32]);  add_4 = add(view_7, dropout)
+
+1. Placeholders stay; they will be fed this rank's shards.
+2. Before each planned node, every tensor input goes through the Plan's steps for that
+   edge (one StepModule per step, named ap_<kind>_<n>, shared by consumers that need the same result).
+3. The node is copied with shape arguments made local (view/reshape/expand sizes).
+4. Outputs are made replicated, so every rank returns full tensors.
+Per-node facts written: node.meta["autopar.spec"] (output placements, e.g. "S(0)R").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import fx, nn
+
+from autopar import _compat
+from autopar.collectives import AxisComm, StepModule
+from autopar.plan import EdgePlan, Plan
+from autopar.passes.strategies import OUTPUT
+from autopar.passes.trace import TracedGraph
+
+aten = torch.ops.aten
+
+# ops whose argument 1 is the output size: it must become the local size
+SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ...]) -> fx.GraphModule:
+    edges = {(e.consumer, e.position): e for e in plan.edges}
+    choice = {n.name: n for n in plan.nodes}
+    mesh_shape = plan.mesh.shape
+    root = nn.Module()
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    cache: dict[tuple, fx.Node] = {}
+    counter = [0]
+
+    def resharded(edge: EdgePlan) -> fx.Node:
+        value = env[edge.producer]
+        key: tuple = (edge.producer,)
+        for step in edge.steps:
+            key = key + (step,)
+            if key not in cache:
+                name = f"ap_{step.kind}_{counter[0]}"
+                counter[0] += 1
+                root.add_module(name, StepModule(step, comms[step.axis]))
+                cache[key] = graph.call_module(name, (value,))
+            value = cache[key]
+        return value
+
+    for node in traced.gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node.name] = graph.placeholder(node.name)
+            _copy_meta(node, env[node.name], choice)
+        elif node.op == "output":
+            env[node.name] = graph.output(_map_tensor_args(node.args[0], OUTPUT, env, edges, resharded))
+        elif node.op == "call_function":
+            args, kwargs = _map_tensor_args((node.args, node.kwargs), node.name, env, edges, resharded)
+            if node.name in choice and node.target in SIZE_ARG_OPS:
+                args = (args[0], list(choice[node.name].outputs[0].local_shape(mesh_shape))) + tuple(args[2:])
+            new = graph.create_node("call_function", node.target, tuple(args), dict(kwargs), name=node.name)
+            _copy_meta(node, new, choice)
+            env[node.name] = new
+        else:
+            raise NotImplementedError(f"cannot rewrite {node.op} node {node.name}: the traced graph should hold "
+                                      "only placeholders, call_function nodes and one output")
+    graph.lint()
+    return fx.GraphModule(root, graph, class_name="RankProgram")
+
+
+def _map_tensor_args(tree: Any, consumer: str, env: dict, edges: dict, resharded) -> Any:
+    """Replace the i-th tensor input of `consumer` by its resharded value; other graph
+    values (non-tensors, unplanned nodes) map to their copies."""
+    leaves, spec = _compat.tree_flatten(tree)
+    out = []
+    position = 0
+    for leaf in leaves:
+        if isinstance(leaf, fx.Node):
+            if isinstance(leaf.meta.get("val"), torch.Tensor) and (consumer, position) in edges:
+                out.append(resharded(edges[(consumer, position)]))
+            else:
+                out.append(env[leaf.name])
+            if isinstance(leaf.meta.get("val"), torch.Tensor):
+                position += 1
+        else:
+            out.append(leaf)
+    return _compat.tree_unflatten(out, spec)
+
+
+def _copy_meta(old: fx.Node, new: fx.Node, choice: dict) -> None:
+    for k in KEEP_META:
+        if k in old.meta:
+            new.meta[k] = old.meta[k]
+    if old.name in choice and choice[old.name].outputs:
+        new.meta["autopar.spec"] = ",".join(str(s) for s in choice[old.name].outputs)

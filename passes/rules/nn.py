@@ -1,0 +1,98 @@
+"""Neural-network ops kept whole by torch.export: softmax, norms, attention,
+embedding, losses."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.placement import P, Placement, R, Shard
+from autopar.passes.rules._helpers import norm_dim
+from autopar.passes.rules.registry import AxisRule, OpCall, register
+
+aten = torch.ops.aten
+
+
+@register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def softmax(call: OpCall) -> list[AxisRule]:
+    x = call.inputs[0]
+    dim = norm_dim(call.args[1], x.ndim)
+    return [AxisRule((R,), (R,))] + [AxisRule((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
+
+
+@register(aten.layer_norm.default)
+def layer_norm(call: OpCall) -> list[AxisRule]:
+    # layer_norm(x, normalized_shape, weight?, bias?): statistics over the last dims
+    x = call.inputs[0]
+    k = len(call.args[1])
+    extra = (R,) * (len(call.inputs) - 1)
+    rules = [AxisRule((R,) + extra, (R,))]
+    rules += [AxisRule((Shard(d),) + extra, (Shard(d),)) for d in range(x.ndim - k)]
+    return rules
+
+
+@register(aten.native_layer_norm.default)
+def native_layer_norm(call: OpCall) -> list[AxisRule]:
+    x = call.inputs[0]
+    k = len(call.args[1])
+    extra = (R,) * (len(call.inputs) - 1)
+    rules = [AxisRule((R,) + extra, (R, R, R))]
+    rules += [AxisRule((Shard(d),) + extra, (Shard(d),) * 3) for d in range(x.ndim - k)]
+    return rules
+
+
+def _mask_placement(mask_shape: tuple[int, ...], out_dim: int, out_ndim: int) -> Placement:
+    k = out_dim - (out_ndim - len(mask_shape))
+    return Shard(k) if k >= 0 and mask_shape[k] > 1 else R
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa(call: OpCall) -> list[AxisRule]:
+    """sdpa(q[B,H,L,E], k[B,Hk,S,E], v[B,Hk,S,Ev], mask?): batch and heads split
+    freely (GQA keeps its q-to-kv head ratio per chunk); query rows split when the
+    mask is explicit, with k and v whole."""
+    q = call.inputs[0]
+    has_mask = len(call.inputs) == 4
+    mask = call.inputs[3].shape if has_mask else ()
+
+    def rule(qp: Placement, kvp: Placement, dim: int) -> AxisRule:
+        ins: tuple[Placement, ...] = (qp, kvp, kvp)
+        if has_mask:
+            ins += (_mask_placement(mask, dim, q.ndim) if isinstance(qp, Shard) else R,)
+        return AxisRule(ins, (qp,))
+
+    rules = [AxisRule((R,) * len(call.inputs), (R,))]
+    rules.append(rule(Shard(0), Shard(0), 0))
+    rules.append(rule(Shard(1), Shard(1), 1))
+    if not call.arg(5, "is_causal", False):
+        rules.append(rule(Shard(2), R, 2))
+    return rules
+
+
+@register(aten.embedding.default)
+def embedding(call: OpCall) -> list[AxisRule]:
+    # embedding(weight[V, H], indices[...]) -> [..., H]
+    weight, idx = call.inputs
+    out_last = call.outputs[0].ndim - 1
+    rules = [AxisRule((R, R), (R,)), AxisRule((Shard(1), R), (Shard(out_last),))]
+    rules += [AxisRule((R, Shard(d)), (Shard(d),)) for d in range(idx.ndim)]
+    return rules
+
+
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
+
+
+@register(aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
+def cross_entropy(call: OpCall) -> list[AxisRule]:
+    """(input[N, C, ...], target[N, ...], weight?) over rows. 'none' keeps rows split,
+    'sum' leaves P; 'mean' divides by the count of non-ignored targets, which differs
+    per chunk, so it runs replicated."""
+    reduction = call.arg(3, "reduction", REDUCTION_MEAN)
+    extra = (R,) * (len(call.inputs) - 2)
+    rules = [AxisRule((R,) * len(call.inputs), (R,))]
+    if call.inputs[0].ndim >= 2:
+        if reduction == REDUCTION_NONE:
+            rules.append(AxisRule((Shard(0), Shard(0)) + extra, (Shard(0),)))
+        elif reduction == REDUCTION_SUM:
+            rules.append(AxisRule((Shard(0), Shard(0)) + extra, (P,)))
+    return rules
+

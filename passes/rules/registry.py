@@ -1,0 +1,105 @@
+"""The per-op rule registry.
+
+A rule is a small pure function of one op call that lists how the op may run on ONE
+mesh axis: a placement for each tensor input and each tensor output. `expand` takes
+the product over the mesh axes and keeps the combinations whose shards divide evenly.
+
+    @register(aten.mm.default)
+    def mm(call: OpCall) -> list[AxisRule]:
+        return einsum_rules("mk,kn->mn", call)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any, Callable, Iterable, Optional
+
+from autopar.placement import Placement, R, Spec, TensorMeta
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """Stands for the i-th tensor input inside OpCall.args (the graph node is elsewhere)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """What a rule may look at: the op, its arguments with tensors replaced by
+    TensorArg markers, and the metas of its tensor inputs and outputs."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+    training: bool = False
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, TensorArg)
+
+
+@dataclass(frozen=True)
+class AxisRule:
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node on the whole mesh: the spec each tensor input must be in
+    and the spec of each tensor output."""
+
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+
+    def __str__(self) -> str:
+        ins = ",".join(str(s) for s in self.inputs)
+        outs = ",".join(str(s) for s in self.outputs)
+        return f"({ins})->{outs}"
+
+
+RuleFn = Callable[[OpCall], list[AxisRule]]
+_RULES: dict[Any, RuleFn] = {}
+
+
+def register(*targets: Any) -> Callable[[RuleFn], RuleFn]:
+    def deco(fn: RuleFn) -> RuleFn:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+    return deco
+
+
+def rule_for(target: Any) -> Optional[RuleFn]:
+    return _RULES.get(target)
+
+
+def registered_targets() -> frozenset:
+    return frozenset(_RULES)
+
+
+def replicate_rule(call: OpCall) -> list[AxisRule]:
+    return [AxisRule((R,) * len(call.inputs), (R,) * len(call.outputs))]
+
+
+def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """Product of per-axis rules over the mesh; drops uneven shards; keeps first-seen order."""
+    rules = list(dict.fromkeys(rules))
+    replicated = [r for r in rules if all(p == R for p in r.inputs + r.outputs)] or rules
+    # a mesh axis of size 1 holds everything whole: R is the only distinct layout there
+    per_axis = [rules if n > 1 else replicated for n in mesh_shape]
+    out: dict[Strategy, None] = {}
+    for combo in product(*per_axis):
+        ins = tuple(Spec(tuple(r.inputs[i] for r in combo), m) for i, m in enumerate(call.inputs))
+        outs = tuple(Spec(tuple(r.outputs[i] for r in combo), m) for i, m in enumerate(call.outputs))
+        if all(s.fits(mesh_shape) for s in ins + outs):
+            out[Strategy(ins, outs)] = None
+    return list(out)

@@ -1,0 +1,149 @@
+"""Ops that move, merge, split or slice dims without arithmetic. All are linear, so
+Partial passes through; a shard passes when its dim survives as a whole (or is the
+outermost non-unit dim of a merged group)."""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from autopar.placement import P, Partial, R, Shard
+from autopar.passes.rules._helpers import dim_map_rules, norm_dim
+from autopar.passes.rules.registry import AxisRule, OpCall, register
+
+aten = torch.ops.aten
+
+
+def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
+    """Input dim -> output dim for a reshape, where sharding the input dim equals
+    sharding the output dim: both are the first non-unit dim of matching groups."""
+    mapping: dict[int, int] = {}
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj = [i], [j]
+        a, b = src[i], dst[j]
+        while a != b:
+            if a < b:
+                i += 1
+                if i >= len(src):
+                    return mapping
+                gi.append(i)
+                a *= src[i]
+            else:
+                j += 1
+                if j >= len(dst):
+                    return mapping
+                gj.append(j)
+                b *= dst[j]
+        first_i = next((k for k in gi if src[k] != 1), None)
+        first_j = next((k for k in gj if dst[k] != 1), None)
+        if first_i is not None and first_j is not None:
+            mapping[first_i] = first_j
+        i += 1
+        j += 1
+    return mapping
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.flatten.using_ints, aten.unflatten.int)
+def view(call: OpCall) -> list[AxisRule]:
+    return dim_map_rules(call, view_dim_map(call.inputs[0].shape, call.outputs[0].shape))
+
+
+@register(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_unsqueeze(call: OpCall) -> list[AxisRule]:
+    return dim_map_rules(call, view_dim_map(call.inputs[0].shape, call.outputs[0].shape))
+
+
+@register(aten.transpose.int)
+def transpose(call: OpCall) -> list[AxisRule]:
+    n = call.inputs[0].ndim
+    a, b = norm_dim(call.args[1], n), norm_dim(call.args[2], n)
+    perm = list(range(n))
+    perm[a], perm[b] = perm[b], perm[a]
+    return dim_map_rules(call, {perm[o]: o for o in range(n)})
+
+
+@register(aten.t.default)
+def t(call: OpCall) -> list[AxisRule]:
+    n = call.inputs[0].ndim
+    return dim_map_rules(call, {i: n - 1 - i for i in range(n)})
+
+
+@register(aten.permute.default)
+def permute(call: OpCall) -> list[AxisRule]:
+    n = call.inputs[0].ndim
+    perm = [norm_dim(d, n) for d in call.args[1]]
+    return dim_map_rules(call, {perm[o]: o for o in range(n)})
+
+
+@register(aten.expand.default)
+def expand(call: OpCall) -> list[AxisRule]:
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    lead = len(dst) - len(src)
+    rules = dim_map_rules(call, {i: i + lead for i in range(len(src)) if src[i] == dst[i + lead] and src[i] > 1})
+    # a broadcast dim can be produced already split: each rank expands to its chunk
+    for o in range(len(dst)):
+        i = o - lead
+        if dst[o] > 1 and (i < 0 or src[i] == 1):
+            rules.append(AxisRule((R,), (Shard(o),)))
+    return rules
+
+
+def _slice_is_full(call: OpCall, dim: int) -> bool:
+    return call.inputs[0].shape[dim] == call.outputs[0].shape[dim]
+
+
+@register(aten.slice.Tensor)
+def slice_(call: OpCall) -> list[AxisRule]:
+    n = call.inputs[0].ndim
+    dim = norm_dim(call.arg(1, "dim", 0), n)
+    full = _slice_is_full(call, dim) and call.arg(2, "start", 0) in (0, None) and call.arg(4, "step", 1) == 1
+    return dim_map_rules(call, {d: d for d in range(n) if d != dim or full})
+
+
+@register(aten.select.int)
+def select(call: OpCall) -> list[AxisRule]:
+    n = call.inputs[0].ndim
+    dim = norm_dim(call.args[1], n)
+    return dim_map_rules(call, {d: (d if d < dim else d - 1) for d in range(n) if d != dim})
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+def split(call: OpCall) -> list[AxisRule]:
+    n = call.inputs[0].ndim
+    dim = norm_dim(call.arg(2 if call.target != aten.unbind.int else 1, "dim", 0), n)
+    if call.target == aten.unbind.int:
+        return dim_map_rules(call, {d: (d if d < dim else d - 1) for d in range(n) if d != dim})
+    return dim_map_rules(call, {d: d for d in range(n) if d != dim})
+
+
+@register(aten.cat.default)
+def cat(call: OpCall) -> list[AxisRule]:
+    out = call.outputs[0]
+    dim = norm_dim(call.arg(1, "dim", 0), out.ndim)
+    k = len(call.inputs)
+    rules = [AxisRule((R,) * k, (R,))]
+    if all(m.ndim == out.ndim for m in call.inputs):
+        rules += [AxisRule((Shard(d),) * k, (Shard(d),)) for d in range(out.ndim) if d != dim]
+    if out.dtype.is_floating_point:
+        rules += [AxisRule((P,) * k, (P,)), AxisRule((Partial("avg"),) * k, (Partial("avg"),))]
+    return rules
+
+
+@register(aten.stack.default)
+def stack(call: OpCall) -> list[AxisRule]:
+    out = call.outputs[0]
+    dim = norm_dim(call.arg(1, "dim", 0), out.ndim)
+    k = len(call.inputs)
+    rules = [AxisRule((R,) * k, (R,))]
+    for d in range(out.ndim - 1):
+        rules.append(AxisRule((Shard(d),) * k, (Shard(d if d < dim else d + 1),)))
+    if out.dtype.is_floating_point:
+        rules.append(AxisRule((P,) * k, (P,)))
+    return rules
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return prod(shape)

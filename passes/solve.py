@@ -1,0 +1,351 @@
+"""Stage 4: choose one strategy per node with an integer linear program.
+
+    AnnotatedGraph + CostModel + Options -> Plan
+
+The model (Alpa's intra-op formulation, with followers and spec classes):
+
+    groups g      a leader node and the nodes that follow it; s[g,i] in {0,1}
+    one-hot       sum_i s[g,i] = 1                                    for every group g
+    edges e=(u,v) between groups; src class o = output spec of u under u's choice,
+                  dst class r = (input spec, grad-sync axes) of v under v's choice;
+                  x[e,o,r] >= 0 with
+                  sum_r x[e,o,r] = sum_{i in o} s[gu,i]               for every o
+                  sum_o x[e,o,r] = sum_{j in r} s[gv,j]               for every r
+    objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r]
+
+c[g,i] is the compute of every member under leader choice i plus the reshard cost of
+edges inside the group; R is the reshard cost (forward steps, and in training their
+conjugates and gradient syncs) from class o to class r. An edge with one class on a
+side needs no x: its cost is a plain term on the other side's s. Unreachable pairs
+(e.g. S -> P) get no x, which forbids them.
+
+Followers (Options.follow): a single-input op follows its producer, taking for each
+producer choice its cheapest strategy; getitem follows its tuple; a placeholder used
+once follows its consumer and is stored in the layout the consumer reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import pulp
+
+from autopar.errors import SolverError
+from autopar.options import Options
+from autopar.placement import R, Spec
+from autopar.plan import EdgePlan, NodeChoice, Plan, SolverReport
+from autopar.resharding import Step, Unreachable, reshard_steps, split_axes
+from autopar.cost_models.compute import VIEWS
+from autopar.cost_models.model import CostModel
+from autopar.passes.rules import Strategy
+from autopar.passes.strategies import AnnotatedGraph, PlannedNode
+
+INF = float("inf")
+US = 1e6  # the objective is in microseconds, which keeps coefficients well scaled
+
+
+@dataclass(frozen=True)
+class Member:
+    leader: str
+    index_map: tuple[int, ...]  # leader strategy index -> this node's strategy index (-1: impossible)
+
+
+def grad_sync_axes(strategy: Strategy, position: int) -> tuple[int, ...]:
+    dst = strategy.inputs[position]
+    return tuple(a for a in split_axes(strategy.inputs, strategy.outputs) if dst.placements[a] == R)
+
+
+class EdgePricer:
+    """Reshard steps and their cost per (source spec, consumer strategy, position), memoised."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self._steps = lru_cache(maxsize=None)(self._compute_steps)
+
+    @staticmethod
+    def _compute_steps(src: Spec, dst: Spec, gsa: tuple[int, ...]) -> Optional[tuple[Step, ...]]:
+        try:
+            return reshard_steps(src, dst, gsa)
+        except Unreachable:
+            return None
+
+    def steps(self, src: Spec, consumer: Strategy, position: int) -> Optional[tuple[Step, ...]]:
+        return self._steps(src, consumer.inputs[position], grad_sync_axes(consumer, position))
+
+    def cost_s(self, src: Spec, consumer: Strategy, position: int) -> float:
+        steps = self.steps(src, consumer, position)
+        return INF if steps is None else self.costs.steps_cost(steps).total_s
+
+
+def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]]:
+    out = {}
+    for n in graph.nodes:
+        if n.call is None:
+            out[n.name] = [0.0] * len(n.strategies)
+        else:
+            out[n.name] = [costs.op_cost(n.call.target, s.inputs, s.outputs).compute_s for s in n.strategies]
+    return out
+
+
+# ---- 1. groups ---------------------------------------------------------------------
+
+def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, ncost: dict[str, list[float]],
+                 follow: bool) -> dict[str, Member]:
+    groups: dict[str, Member] = {}
+    for n in graph.nodes:
+        groups[n.name] = _forward_member(n, graph, groups, follow)
+    if follow:
+        uses: dict[str, list[tuple[str, int]]] = {}
+        for n in graph.nodes:
+            for pos, (u, _) in enumerate(n.inputs):
+                uses.setdefault(u, []).append((n.name, pos))
+        for n in graph.nodes:
+            if n.op.startswith("placeholder") and len(n.strategies) > 1 and len(uses.get(n.name, ())) == 1:
+                groups[n.name] = _backward_member(n, *uses[n.name][0], graph, groups, pricer)
+    return groups
+
+
+def _identity(n: PlannedNode) -> Member:
+    return Member(n.name, tuple(range(len(n.strategies))))
+
+
+def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Member], follow: bool) -> Member:
+    """A single-input op whose layout is fixed by its producer's (exactly one strategy
+    reads the producer's output as it is, for every producer choice) joins its group."""
+    is_getitem = n.op == "getitem"
+    if not (is_getitem or (follow and len(n.inputs) == 1 and n.call is not None)):
+        return _identity(n)
+    u, k = n.inputs[0]
+    producer = graph.node(u)
+    if producer.op.startswith("placeholder") and not is_getitem:
+        return _identity(n)
+    lead = groups[u]
+    index = []
+    for pi in lead.index_map:
+        if pi < 0:
+            index.append(-1)
+            continue
+        src = producer.strategies[pi].outputs[k]
+        exact = [j for j, s in enumerate(n.strategies) if s.inputs[0] == src]
+        if is_getitem and exact:
+            index.append(exact[0])
+        elif len(exact) == 1:
+            index.append(exact[0])
+        else:
+            # the layout this op produces is a real choice here (or needs a reshard):
+            # leave it to the ILP rather than guess greedily
+            return _identity(n)
+    return Member(lead.leader, tuple(index))
+
+
+def _backward_member(p: PlannedNode, consumer: str, position: int, graph: AnnotatedGraph,
+                     groups: dict[str, Member], pricer: EdgePricer) -> Member:
+    v = graph.node(consumer)
+    lead = groups[consumer]
+    index = []
+    for vi in lead.index_map:
+        if vi < 0:
+            index.append(-1)
+            continue
+        wanted = v.strategies[vi].inputs[position]
+        exact = [j for j, s in enumerate(p.strategies) if s.outputs[0] == wanted]
+        if exact:  # stored as read: no reshard, and the least memory
+            index.append(exact[0])
+            continue
+        costs = [pricer.cost_s(s.outputs[0], v.strategies[vi], position) for s in p.strategies]
+        best = min(costs)
+        index.append(costs.index(best) if best < INF else -1)
+    return Member(lead.leader, tuple(index))
+
+
+# ---- 2. the ILP --------------------------------------------------------------------
+
+@dataclass
+class _Ilp:
+    prob: pulp.LpProblem
+    choice: dict[str, list[Optional[pulp.LpVariable]]]
+    n_vars: int
+
+
+def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePricer,
+              ncost: dict[str, list[float]]) -> _Ilp:
+    leaders = [n for n in graph.nodes if groups[n.name].leader == n.name]
+    gcost = {L.name: [0.0] * len(L.strategies) for L in leaders}
+    # group cost: members' compute
+    for n in graph.nodes:
+        m = groups[n.name]
+        for i, j in enumerate(m.index_map):
+            gcost[m.leader][i] += INF if j < 0 else ncost[n.name][j]
+    inter: list[tuple[PlannedNode, int, str, int]] = []
+    for v in graph.nodes:
+        mv = groups[v.name]
+        for pos, (u, k) in enumerate(v.inputs):
+            mu = groups[u]
+            if mu.leader != mv.leader:
+                inter.append((v, pos, u, k))
+                continue
+            producer = graph.node(u)
+            for i, (ui, vi) in enumerate(zip(mu.index_map, mv.index_map)):
+                if ui >= 0 and vi >= 0:
+                    gcost[mv.leader][i] += pricer.cost_s(producer.strategies[ui].outputs[k], v.strategies[vi], pos)
+    prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
+    objective = []
+    choice: dict[str, list[Optional[pulp.LpVariable]]] = {}
+    n_vars = 0
+    # one-hot: sum_i s[g,i] = 1
+    for L in leaders:
+        vars_: list[Optional[pulp.LpVariable]] = []
+        for i, c in enumerate(gcost[L.name]):
+            if c == INF:
+                vars_.append(None)
+                continue
+            var = pulp.LpVariable(f"s_{L.name}_{i}", cat="Binary")
+            objective.append(c * US * var)
+            vars_.append(var)
+            n_vars += 1
+        if not any(v is not None for v in vars_):
+            raise SolverError(f"node {L.name} ({L.op}) has no feasible strategy on mesh {graph.mesh.shape}: "
+                              "every choice needs a reshard autopar cannot do")
+        prob += pulp.lpSum(v for v in vars_ if v is not None) == 1, f"onehot_{L.name}"
+        choice[L.name] = vars_
+    # edges between groups
+    for e, (v, pos, u, k) in enumerate(inter):
+        n_vars += _edge_terms(prob, objective, e, graph, groups, choice, pricer, v, pos, u, k)
+    prob += pulp.lpSum(objective)
+    return _Ilp(prob, choice, n_vars)
+
+
+def _classes(member: Member, var_list: list, key) -> dict:
+    out: dict = {}
+    for i, j in enumerate(member.index_map):
+        if j >= 0 and var_list[i] is not None:
+            out.setdefault(key(j), []).append(var_list[i])
+    return out
+
+
+def _edge_terms(prob, objective, e, graph, groups, choice, pricer, v: PlannedNode, pos: int, u: str, k: int) -> int:
+    """Adds edge e's reshard cost; returns how many variables it created."""
+    producer = graph.node(u)
+    mu, mv = groups[u], groups[v.name]
+    src = _classes(mu, choice[mu.leader], lambda j: producer.strategies[j].outputs[k])
+    # consumer strategies with the same input spec and grad-sync axes price alike
+    merged: dict = {}
+    for i, j in enumerate(mv.index_map):
+        var = choice[mv.leader][i]
+        if j >= 0 and var is not None:
+            strat = v.strategies[j]
+            merged.setdefault((strat.inputs[pos], grad_sync_axes(strat, pos)), (strat, []))[1].append(var)
+    dst_classes = list(merged.values())
+    matrix = {(o, r): pricer.cost_s(o, dst_classes[r][0], pos) for o in src for r in range(len(dst_classes))}
+    if len(set(matrix.values())) == 1 and INF not in matrix.values():
+        objective.append(next(iter(matrix.values())) * US)
+        return 0
+    if len(src) == 1:
+        (o,) = src
+        for r, (_, vars_) in enumerate(dst_classes):
+            for var in vars_:
+                _add_or_forbid(prob, objective, var, matrix[(o, r)], f"e{e}_d{r}")
+        return 0
+    if len(dst_classes) == 1:
+        for i, (o, vars_) in enumerate(src.items()):
+            for var in vars_:
+                _add_or_forbid(prob, objective, var, matrix[(o, 0)], f"e{e}_s{i}")
+        return 0
+    xs: dict = {}
+    for oi, o in enumerate(src):
+        for r in range(len(dst_classes)):
+            if matrix[(o, r)] < INF:
+                xs[(oi, r)] = x = pulp.LpVariable(f"x_{e}_{oi}_{r}", lowBound=0)
+                objective.append(matrix[(o, r)] * US * x)
+    for oi, (o, vars_) in enumerate(src.items()):
+        prob += pulp.lpSum(x for (a, _), x in xs.items() if a == oi) == pulp.lpSum(vars_), f"e{e}_src{oi}"
+    for r, (_, vars_) in enumerate(dst_classes):
+        prob += pulp.lpSum(x for (_, b), x in xs.items() if b == r) == pulp.lpSum(vars_), f"e{e}_dst{r}"
+    return len(xs)
+
+
+def _add_or_forbid(prob, objective, var, cost: float, name: str) -> None:
+    if cost == INF:
+        prob += var == 0, f"forbid_{name}_{var.name}"
+    elif cost:
+        objective.append(cost * US * var)
+
+
+# ---- 3. solve and read back ---------------------------------------------------------
+
+def _solver(options: Options):
+    highs = pulp.HiGHS(msg=False, timeLimit=options.time_limit_s)
+    if options.solver in ("auto", "highs") and highs.available():
+        return "highs", highs
+    if options.solver == "highs":
+        raise SolverError("Options(solver='highs') but highspy is not installed; pip install highspy "
+                          "or use solver='cbc'")
+    return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=1)
+
+
+def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
+    pricer = EdgePricer(costs)
+    ncost = node_costs(graph, costs)
+    groups = build_groups(graph, pricer, ncost, options.follow)
+    ilp = build_ilp(graph, groups, pricer, ncost)
+    name, solver = _solver(options)
+    t0 = time.perf_counter()
+    ilp.prob.solve(solver)
+    elapsed = time.perf_counter() - t0
+    status = pulp.LpStatus[ilp.prob.status]
+    picks = {}
+    for leader, vars_ in ilp.choice.items():
+        vals = [(v.value() or 0.0) if v is not None else 0.0 for v in vars_]
+        best = max(range(len(vals)), key=lambda i: vals[i])
+        if vals[best] < 0.5:
+            raise SolverError(f"the {name} solver returned {status} without a choice for node {leader} "
+                              f"after {elapsed:.1f} s; raise Options.time_limit_s or set Options.follow=True")
+        picks[leader] = best
+    if status != "Optimal":
+        status = f"{status} (time limit {options.time_limit_s} s)"
+    report = SolverReport(name, status, 0.0, _gap(solver), elapsed, ilp.n_vars,
+                          len(ilp.prob.constraints), len(ilp.choice))
+    return read_plan(graph, groups, picks, pricer, costs, report)
+
+
+def _gap(solver) -> Optional[float]:
+    model = getattr(solver, "solverModel", None) or getattr(solver, "model", None)
+    try:
+        return float(model.getInfo().mip_gap)
+    except Exception:  # noqa: BLE001 - the gap is informational; CBC through pulp does not expose it
+        return None
+
+
+def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
+              costs: CostModel, report: SolverReport) -> Plan:
+    chosen: dict[str, Strategy] = {}
+    for n in graph.nodes:
+        m = groups[n.name]
+        chosen[n.name] = n.strategies[m.index_map[picks[m.leader]]]
+    nodes, edges = [], []
+    compute_total = comm_total = 0.0
+    param_bytes = act_bytes = 0
+    mesh = graph.mesh.shape
+    for n in graph.nodes:
+        s = chosen[n.name]
+        c = costs.op_cost(n.call.target, s.inputs, s.outputs).compute_s if n.call is not None else 0.0
+        compute_total += c
+        nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies)))
+        if n.op.startswith("placeholder:") and n.op != "placeholder:user_input":
+            param_bytes += s.outputs[0].local_nbytes(mesh)
+        elif n.call is not None and n.call.target not in VIEWS:
+            act_bytes += sum(o.local_nbytes(mesh) for o in s.outputs)
+        for pos, (u, k) in enumerate(n.inputs):
+            steps = pricer.steps(chosen[u].outputs[k], s, pos)
+            assert steps is not None, f"solver picked an unreachable reshard {u} -> {n.name}"
+            comm = costs.steps_cost(steps).total_s
+            comm_total += comm
+            edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
+    report = SolverReport(report.solver, report.status, compute_total + comm_total, report.gap,
+                          report.solve_time_s, report.variables, report.constraints, report.groups)
+    return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
+                tuple(nodes), tuple(edges), compute_total, comm_total, param_bytes, act_bytes, report,
+                graph.unruled_ops)

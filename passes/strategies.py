@@ -1,0 +1,169 @@
+"""Stage 2: candidate strategies for every node of the traced graph.
+
+    TracedGraph + Mesh -> AnnotatedGraph(nodes: PlannedNode(inputs, strategies))
+
+1. Placeholders (parameters, buffers, user inputs) may take any R/S(d) layout; a
+   pinned layout (a parameter already sharded by an earlier plan) is the only choice.
+2. Ops ask their rule in passes/rules for per-axis rules, expanded over the mesh.
+   An op without a rule runs replicated; one warning lists all such ops.
+3. getitem of a multi-output op takes the layout of that output.
+4. The output node needs every returned tensor replicated (full on every rank).
+Nodes that neither take nor make tensors (shape asserts) are not planned.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from autopar import _compat
+from autopar.errors import describe_node
+from autopar.mesh import Mesh
+from autopar.placement import Placement, R, Shard, Spec, TensorMeta
+from autopar.passes.rules import OpCall, Strategy, TensorArg, expand, replicate_rule, rule_for
+from autopar.passes.trace import TracedGraph
+
+OUTPUT = "output"
+
+
+class MissingRuleWarning(UserWarning):
+    """Some ops had no sharding rule and were replicated."""
+
+
+@dataclass(frozen=True)
+class PlannedNode:
+    name: str
+    op: str  # 'placeholder:<kind>', 'getitem', 'output' or the ATen overload name
+    inputs: tuple[tuple[str, int], ...]  # (producer node, output index) per tensor input
+    strategies: tuple[Strategy, ...]
+    call: Optional[OpCall] = None
+    has_rule: bool = True
+
+
+@dataclass(frozen=True)
+class AnnotatedGraph:
+    traced: TracedGraph
+    mesh: Mesh
+    nodes: tuple[PlannedNode, ...]  # topological order
+    unruled_ops: tuple[str, ...] = ()
+    by_name: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def node(self, name: str) -> PlannedNode:
+        return self.by_name[name]
+
+
+def tensor_meta(val: Any) -> Optional[TensorMeta]:
+    return TensorMeta.of(val) if isinstance(val, torch.Tensor) else None
+
+
+def output_metas(node: fx.Node) -> tuple[TensorMeta, ...]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return (TensorMeta.of(val),)
+    if isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
+        return tuple(TensorMeta.of(v) for v in val)
+    return ()
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    leaves, _ = _compat.tree_flatten((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def op_call(node: fx.Node, training: bool) -> OpCall:
+    ins = tensor_inputs(node)
+    index = {id(n): i for i, n in enumerate(ins)}
+
+    def mark(a: Any) -> Any:
+        return TensorArg(index[id(a)]) if isinstance(a, fx.Node) and id(a) in index else a
+
+    args = _compat.tree_unflatten([mark(x) for x in _compat.tree_flatten(node.args)[0]],
+                                  _compat.tree_flatten(node.args)[1])
+    kwargs = {k: _compat.tree_unflatten([mark(x) for x in _compat.tree_flatten(v)[0]], _compat.tree_flatten(v)[1])
+              for k, v in node.kwargs.items()}
+    return OpCall(node.target, tuple(args), kwargs, tuple(TensorMeta.of(n.meta["val"]) for n in ins),
+                  output_metas(node), training)
+
+
+def layouts(meta: TensorMeta, mesh: Mesh) -> list[Spec]:
+    """Every R/S(d) layout of a tensor that divides evenly on the mesh."""
+    split: list[Placement] = [R] + [Shard(d) for d, s in enumerate(meta.shape) if s > 1]
+    per_axis = [split if n > 1 else [R] for n in mesh.shape]
+    specs = [Spec(tuple(c), meta) for c in product(*per_axis)]
+    return [s for s in specs if s.fits(mesh.shape)]
+
+
+def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement, ...]] | None = None) -> AnnotatedGraph:
+    pinned = pinned or {}
+    inputs = {gi.name: gi for gi in traced.inputs}
+    nodes: list[PlannedNode] = []
+    by_name: dict[str, PlannedNode] = {}
+    unruled: dict[str, None] = {}
+    for node in traced.gm.graph.nodes:
+        planned = _plan_node(node, traced, mesh, inputs, pinned, by_name, unruled)
+        if planned is not None:
+            nodes.append(planned)
+            by_name[planned.name] = planned
+    if unruled:
+        warnings.warn(MissingRuleWarning(
+            f"no sharding rule for {', '.join(unruled)} in model {traced.model_name}; these ops run "
+            "replicated (their inputs are gathered). Register rules in passes/rules/ to shard them."),
+            stacklevel=3)
+    return AnnotatedGraph(traced, mesh, tuple(nodes), tuple(unruled), by_name)
+
+
+def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pinned: dict,
+               by_name: dict, unruled: dict) -> Optional[PlannedNode]:
+    # 1. placeholders
+    if node.op == "placeholder":
+        gi = inputs[node.name]
+        if isinstance(gi.target, str) and gi.target in pinned:
+            specs = [Spec(tuple(pinned[gi.target]), gi.meta)]
+        else:
+            specs = layouts(gi.meta, mesh)
+        return PlannedNode(node.name, f"placeholder:{gi.kind}", (),
+                           tuple(Strategy((), (s,)) for s in specs))
+    # 4. output
+    if node.op == "output":
+        outs = [a for a in _compat.tree_flatten(node.args)[0] if isinstance(a, fx.Node)
+                and isinstance(a.meta.get("val"), torch.Tensor)]
+        specs = tuple(Spec((R,) * mesh.ndim, TensorMeta.of(a.meta["val"])) for a in outs)
+        return PlannedNode(OUTPUT, "output", tuple((a.name, 0) for a in outs), (Strategy(specs, ()),))
+    if node.op != "call_function":
+        return None
+    # 3. getitem
+    if node.target is operator.getitem:
+        parent, k = node.args
+        if parent.name not in by_name or not output_metas(node):
+            return None
+        seen = dict.fromkeys(s.outputs[k] for s in by_name[parent.name].strategies)
+        return PlannedNode(node.name, "getitem", ((parent.name, k),), tuple(Strategy((s,), (s,)) for s in seen))
+    # 2. ops
+    outs = output_metas(node)
+    ins = tensor_inputs(node)
+    if not outs:
+        return None
+    call = op_call(node, traced.training)
+    rule = rule_for(node.target)
+    has_rule = rule is not None
+    if rule is None:
+        unruled[str(node.target)] = None
+        rule = replicate_rule
+    try:
+        axis_rules = rule(call)
+    except Exception as e:  # noqa: BLE001 - a broken rule is reported with its node
+        raise RuntimeError(f"sharding rule {rule.__name__} failed on {describe_node(node)}: {e}") from e
+    for r in axis_rules:
+        if len(r.inputs) != len(call.inputs) or len(r.outputs) != len(call.outputs):
+            raise RuntimeError(
+                f"sharding rule {rule.__name__} for {describe_node(node)} gave {len(r.inputs)} input / "
+                f"{len(r.outputs)} output placements; the op has {len(call.inputs)} tensor inputs and "
+                f"{len(call.outputs)} tensor outputs")
+    strategies = expand(axis_rules, call, mesh.shape)
+    return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call, has_rule)

@@ -1,0 +1,42 @@
+"""Cases that run inside every gloo rank (see harness.run_ranks)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import autopar
+from autopar.cost_models.devices import DeviceSpec, Link
+from tests import models
+
+# A device on which communication is nearly free and compute dear: the solver shards
+# as much as it can, which exercises every reshard path the rules allow.
+CHEAP_COMM = DeviceSpec("cheap-comm", {torch.float32: 1e9}, mem_bw_bytes_per_s=1e9, op_overhead_s=0.0,
+                        intra_link=Link(1e-9, 1e-15), inter_link=Link(1e-9, 1e-15), achievable=1.0)
+
+
+def _leaves(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "to_tuple"):
+        return [t for t in out.to_tuple() if isinstance(t, torch.Tensor)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def forward_equivalence(rank: int, world: int, model: str, mesh: tuple, device: str = "cheap", batch: int = 2,
+                        seq: int = 8, **over) -> dict:
+    """Parallel outputs on this rank next to the single-device outputs."""
+    m = models.build(model, **over)
+    args, kwargs = models.inputs(model, batch, seq)
+    with torch.no_grad():
+        reference = _leaves(m(*args, **kwargs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=CHEAP_COMM if device == "cheap" else device)
+    with torch.no_grad():
+        parallel = _leaves(pm(*args, **kwargs))
+    plan = pm.plan
+    return {"reference": reference, "parallel": parallel, "placements": plan.placements(),
+            "collectives": [str(c) for c in plan.collectives()], "sharded_params":
+            sum(1 for n in plan.nodes if n.op == "placeholder:parameter" and not n.outputs[0].is_replicated())}

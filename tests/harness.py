@@ -1,0 +1,60 @@
+"""Spawn real gloo ranks, run named cases in each, collect what every rank returns.
+
+Each spawn costs seconds (importing torch in every rank), so a test batches many cases
+into one spawn. A case is a module-level function `case(rank, world, **kw) -> dict`
+that builds its model from a fixed seed and returns tensors; the parent compares."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SPAWN_TIMEOUT_S = float(os.environ.get("AUTOPAR_TEST_TIMEOUT_S", "600"))
+COLLECTIVE_TIMEOUT_S = 120
+
+
+def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tuple[Callable, dict]]) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    results: list[Any] = []
+    try:
+        for fn, kw in cases:
+            try:
+                results.append(fn(rank, world, **kw))
+            except Exception:  # noqa: BLE001 - reported to the parent test with the traceback
+                results.append({"error": traceback.format_exc()})
+                break
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, cases: list[tuple[Callable, dict]]) -> list[list[Any]]:
+    """Run `cases` on `world` gloo ranks; returns results[rank][case]. Raises with the
+    first rank's traceback if any case failed there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_worker, args=(world, store, tmp, cases), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world} ranks did not finish within {SPAWN_TIMEOUT_S} s")
+        results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        for item in res:
+            if isinstance(item, dict) and "error" in item:
+                raise AssertionError(f"rank {r} failed:\n{item['error']}")
+    return results
