@@ -7,7 +7,7 @@ and the nn.Module that runs one reshard Step inside an emitted program.
     reduce_scat. sum, keep own chunk        all_gather
     all_to_all   dim -> to_dim              to_dim -> dim
     slice        own chunk                  all_gather
-    to_partial   x on coordinate 0, else 0  all_reduce
+    to_partial   x on coordinate 0, else 0  identity (the incoming gradient is complete)
     grad_sync    identity                   all_reduce
 
 Nothing here decides what to run: the Plan's steps do. Each call blocks on a
@@ -152,7 +152,9 @@ class _ToPartial(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.comm), None
+        # the gradient of a partial value is complete and identical on every rank of the
+        # axis (it came back through the all-reduce that summed it), so it is x's gradient
+        return g, None
 
 
 class _GradSync(torch.autograd.Function):

@@ -24,6 +24,7 @@ class NodeChoice:
     outputs: tuple[Spec, ...]
     compute_s: float
     alternatives: int  # how many strategies the solver could pick from
+    module: str = ""  # the nn.Module path the op came from, e.g. "transformer.h.0.attn"
 
     def __str__(self) -> str:
         ins = ",".join(str(s) for s in self.inputs)
@@ -62,7 +63,7 @@ class Collective:
 class SolverReport:
     solver: str
     status: str
-    objective_s: float
+    objective_s: float  # the ILP's objective; equals Plan.total_s when the model is exact
     gap: Optional[float]
     solve_time_s: float
     variables: int

@@ -11,7 +11,7 @@ Each step acts on one mesh axis and has a forward and a conjugate backward:
     all_gather       reduce_scatter     S(d) -> R, result used by work split on the axis
     all_to_all       all_to_all         S(d) -> S(e)
     slice            all_gather         R -> S(d)
-    to_partial       all_reduce         R -> P (coordinate 0 keeps the value, others 0)
+    to_partial       identity           R -> P (coordinate 0 keeps the value, others 0)
     grad_sync        all_reduce         R used by work split on the axis (Megatron's f)
 
 The gradient contract: the gradient of a value that is R on an axis arrives complete
@@ -131,7 +131,7 @@ def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
         p, want = cur.placements[a], dst.placements[a]
         if isinstance(want, Partial) and p == R:
             if want.reduce == "sum":
-                steps.append(Step("to_partial", a, backward="all_reduce", before=cur))
+                steps.append(Step("to_partial", a, backward="identity", before=cur))
             # avg or max of identical copies is the value itself: nothing to do
             cur = _with(cur, a, want)
 

@@ -110,7 +110,7 @@ class ParallelModule(nn.Module):
         if key in self._compiled:
             return self._compiled[key]
         traced = trace(self._model, args, kwargs)
-        _, plan = plan_traced(traced, self.mesh, self.options, self._pinned)
+        plan = self._plan_on_rank0(traced)
         program = emit(traced, plan, self.coords, self._comms)
         if self._pinned is None:
             self._materialise_state(traced, plan)
@@ -118,23 +118,48 @@ class ParallelModule(nn.Module):
         self._compiled[key] = compiled
         return compiled
 
+    def _plan_on_rank0(self, traced: TracedGraph) -> Plan:
+        """Rank 0 solves; the others receive its plan (one solve instead of one per
+        rank, and every rank is sure to run the same plan)."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = plan_traced(traced, self.mesh, self.options, self._pinned)[1]
+            except Exception as e:  # noqa: BLE001 - forwarded so the other ranks fail too, not hang
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            if self.rank == 0:
+                raise box[0]
+            raise RuntimeError(f"planning failed on rank 0: {type(box[0]).__name__}: {box[0]}") from box[0]
+        plan = box[0]
+        if plan.fingerprint != traced.fingerprint:
+            raise RuntimeError(f"rank {self.rank} traced a different graph (fingerprint {traced.fingerprint}) than "
+                               f"rank 0 ({plan.fingerprint}); every rank must pass the same model and input shapes")
+        return plan
+
     def _materialise_state(self, traced: TracedGraph, plan: Plan) -> None:
-        state = dict(self._model.named_parameters(remove_duplicate=False))
-        buffers = dict(self._model.named_buffers(remove_duplicate=False))
+        """Cut this rank's shards from the full model. Tied parameters (one tensor under
+        several names) become one shard registered under every name, in the layout of
+        the name the graph actually reads."""
+        named = dict(self._model.named_parameters(remove_duplicate=False))
+        named.update(self._model.named_buffers(remove_duplicate=False))
+        used = {e.producer for e in plan.edges}
+        state_inputs = [gi for gi in traced.inputs if gi.kind in ("parameter", "buffer")]
+        ties: dict[int, list] = {}
+        for gi in state_inputs:
+            ties.setdefault(id(named[gi.target]), []).append(gi)
         pinned = {}
-        for gi in traced.inputs:
-            if gi.kind not in ("parameter", "buffer"):
-                continue
-            spec = plan.node(gi.name).outputs[0]
-            pinned[gi.target] = spec.placements
-            if gi.kind == "parameter":
-                full = state[gi.target]
-                local = nn.Parameter(shard(full.detach(), spec, self.mesh.shape, self.coords),
-                                     requires_grad=full.requires_grad)
-                _set_nested(self.shards, gi.target, local, parameter=True)
-            else:
-                _set_nested(self.shards, gi.target, shard(buffers[gi.target], spec, self.mesh.shape, self.coords),
-                            parameter=False)
+        for group in ties.values():
+            owner = next((gi for gi in group if gi.name in used), group[0])
+            spec = plan.node(owner.name).outputs[0]
+            full = named[owner.target]
+            local = shard(full.detach(), spec, self.mesh.shape, self.coords)
+            if owner.kind == "parameter":
+                local = nn.Parameter(local, requires_grad=full.requires_grad)
+            for gi in group:
+                pinned[gi.target] = spec.placements
+                _set_nested(self.shards, gi.target, local, parameter=owner.kind == "parameter")
         self._pinned = pinned
 
     # ---- running ----------------------------------------------------------------

@@ -63,8 +63,8 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
             env[node.name] = graph.output(_map_tensor_args(node.args[0], OUTPUT, env, edges, resharded))
         elif node.op == "call_function":
             args, kwargs = _map_tensor_args((node.args, node.kwargs), node.name, env, edges, resharded)
-            if node.name in choice and node.target in SIZE_ARG_OPS:
-                args = (args[0], list(choice[node.name].outputs[0].local_shape(mesh_shape))) + tuple(args[2:])
+            if node.name in choice:
+                args = localize_args(node.target, tuple(args), choice[node.name].outputs, mesh_shape)
             new = graph.create_node("call_function", node.target, tuple(args), dict(kwargs), name=node.name)
             _copy_meta(node, new, choice)
             env[node.name] = new
@@ -73,6 +73,13 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
                                       "only placeholders, call_function nodes and one output")
     graph.lint()
     return fx.GraphModule(root, graph, class_name="RankProgram")
+
+
+def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[int, ...]) -> tuple:
+    """Arguments that spell the output's global size become the local size."""
+    if target in SIZE_ARG_OPS and outputs:
+        return (args[0], list(outputs[0].local_shape(mesh_shape))) + tuple(args[2:])
+    return args
 
 
 def _map_tensor_args(tree: Any, consumer: str, env: dict, edges: dict, resharded) -> Any:

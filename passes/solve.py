@@ -306,7 +306,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
         picks[leader] = best
     if status != "Optimal":
         status = f"{status} (time limit {options.time_limit_s} s)"
-    report = SolverReport(name, status, 0.0, _gap(solver), elapsed, ilp.n_vars,
+    objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
+    report = SolverReport(name, status, objective_s, _gap(solver), elapsed, ilp.n_vars,
                           len(ilp.prob.constraints), len(ilp.choice))
     return read_plan(graph, groups, picks, pricer, costs, report)
 
@@ -333,7 +334,7 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
         s = chosen[n.name]
         c = costs.op_cost(n.call.target, s.inputs, s.outputs).compute_s if n.call is not None else 0.0
         compute_total += c
-        nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies)))
+        nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module))
         if n.op.startswith("placeholder:") and n.op != "placeholder:user_input":
             param_bytes += s.outputs[0].local_nbytes(mesh)
         elif n.call is not None and n.call.target not in VIEWS:
@@ -344,8 +345,6 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             comm = costs.steps_cost(steps).total_s
             comm_total += comm
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
-    report = SolverReport(report.solver, report.status, compute_total + comm_total, report.gap,
-                          report.solve_time_s, report.variables, report.constraints, report.groups)
     return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
                 tuple(nodes), tuple(edges), compute_total, comm_total, param_bytes, act_bytes, report,
                 graph.unruled_ops)

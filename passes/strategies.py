@@ -44,6 +44,7 @@ class PlannedNode:
     strategies: tuple[Strategy, ...]
     call: Optional[OpCall] = None
     has_rule: bool = True
+    module: str = ""  # innermost nn.Module path the op came from ("" at top level)
 
 
 @dataclass(frozen=True)
@@ -166,4 +167,14 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                 f"{len(r.outputs)} output placements; the op has {len(call.inputs)} tensor inputs and "
                 f"{len(call.outputs)} tensor outputs")
     strategies = expand(axis_rules, call, mesh.shape)
-    return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call, has_rule)
+    return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
+                       has_rule, module_path(node))
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.removeprefix("L['self'].").removeprefix("model.").removeprefix("model")
+    return path.lstrip(".")

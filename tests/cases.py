@@ -40,3 +40,42 @@ def forward_equivalence(rank: int, world: int, model: str, mesh: tuple, device: 
     return {"reference": reference, "parallel": parallel, "placements": plan.placements(),
             "collectives": [str(c) for c in plan.collectives()], "sharded_params":
             sum(1 for n in plan.nodes if n.op == "placeholder:parameter" and not n.outputs[0].is_replicated())}
+
+
+def _loss(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return (out.float() ** 2).mean()
+    return out.loss if getattr(out, "loss", None) is not None else (out[0] ** 2).mean()
+
+
+def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device: str = "cheap", batch: int = 2,
+                         seq: int = 8, **over) -> dict:
+    """Loss and every local parameter gradient on this rank, next to the matching block
+    of the single-device gradient."""
+    import copy
+    from autopar.placement import local_chunk
+    m = models.build(model, **over).train()
+    ref_model = copy.deepcopy(m)
+    args, kwargs = models.inputs(model, batch, seq)
+    ref_loss = _loss(ref_model(*args, **kwargs))
+    ref_loss.backward()
+    ref_grads = {k: p.grad for k, p in ref_model.named_parameters(remove_duplicate=False)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=CHEAP_COMM if device == "cheap" else device)
+    loss = _loss(pm(*args, **kwargs))
+    loss.backward()
+    plan = pm.plan
+    mesh_ = plan.mesh
+    pairs = {}
+    traced_inputs = pm._last.traced.inputs
+    used = {e.producer for e in plan.edges}
+    for gi in traced_inputs:
+        if gi.kind != "parameter" or gi.name not in used:  # a tied twin the graph never reads
+            continue
+        spec = plan.node(gi.name).outputs[0]
+        local = pm.shards.get_parameter(gi.target)
+        expect = local_chunk(ref_grads[gi.target], spec, mesh_.shape, mesh_.coords(rank))
+        pairs[gi.target] = (local.grad, expect, str(spec))
+    return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": pairs,
+            "collectives": [str(c) for c in plan.collectives()]}

@@ -1,0 +1,139 @@
+"""Rule tests: strategy counts, and every strategy of every rule reproduces the op's
+single-device output when run shard by shard (passes/simulate.py) on (2, 2) and (1, 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.placement import P, Partial, R, Shard
+from autopar.passes.rules import expand, rule_for
+from autopar.passes.simulate import op_call_of, run_sharded
+
+aten = torch.ops.aten
+g = torch.Generator().manual_seed(0)
+
+
+def rnd(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def ints(high, *shape):
+    return torch.randint(0, high, shape, generator=g)
+
+
+CASES = {
+    "mm": (aten.mm.default, (rnd(4, 8), rnd(8, 4)), {}),
+    "addmm": (aten.addmm.default, (rnd(4), rnd(8, 4), rnd(4, 4)), {}),
+    "bmm": (aten.bmm.default, (rnd(2, 4, 8), rnd(2, 8, 4)), {}),
+    "linear": (aten.linear.default, (rnd(2, 4, 8), rnd(4, 8), rnd(4)), {}),
+    "linear_nobias": (aten.linear.default, (rnd(2, 4, 8), rnd(4, 8)), {}),
+    "matmul": (aten.matmul.default, (rnd(2, 4, 8), rnd(8, 4)), {}),
+    "add_bcast": (aten.add.Tensor, (rnd(2, 4, 8), rnd(8)), {}),
+    "add_scalar": (aten.add.Tensor, (rnd(4, 4), 1.0), {}),
+    "sub": (aten.sub.Tensor, (rnd(4, 4), rnd(4, 4)), {}),
+    "mul": (aten.mul.Tensor, (rnd(2, 4, 4), rnd(1, 4, 1)), {}),
+    "mul_scalar": (aten.mul.Tensor, (rnd(4, 4), 0.5), {}),
+    "div": (aten.div.Tensor, (rnd(4, 4), rnd(4, 4).abs() + 1), {}),
+    "where": (aten.where.self, (rnd(4, 4) > 0, rnd(4, 4), rnd(4)), {}),
+    "masked_fill": (aten.masked_fill.Scalar, (rnd(2, 4, 4), rnd(4, 4) > 0, -1e4), {}),
+    "gelu": (aten.gelu.default, (rnd(4, 8),), {}),
+    "neg": (aten.neg.default, (rnd(4, 8),), {}),
+    "to_dtype": (aten.to.dtype, (rnd(4, 8), torch.float64), {}),
+    "dropout_eval": (aten.dropout.default, (rnd(4, 8), 0.1, False), {}),
+    "view_merge": (aten.view.default, (rnd(2, 4, 8), [8, 8]), {}),
+    "view_split": (aten.view.default, (rnd(8, 8), [2, 4, 2, 4]), {}),
+    "reshape_heads": (aten.reshape.default, (rnd(2, 4, 8), [2, 4, 2, 4]), {}),
+    "transpose": (aten.transpose.int, (rnd(2, 4, 8), 1, 2), {}),
+    "permute": (aten.permute.default, (rnd(2, 4, 8), [2, 0, 1]), {}),
+    "t": (aten.t.default, (rnd(4, 8),), {}),
+    "expand": (aten.expand.default, (rnd(2, 1, 8), [2, 4, 8]), {}),
+    "unsqueeze": (aten.unsqueeze.default, (rnd(4, 8), 1), {}),
+    "squeeze": (aten.squeeze.dim, (rnd(4, 1, 8), 1), {}),
+    "slice": (aten.slice.Tensor, (rnd(4, 8), 1, 0, 4), {}),
+    "slice_full": (aten.slice.Tensor, (rnd(4, 8), 1, 0, 2**62), {}),
+    "select": (aten.select.int, (rnd(4, 8), 0, 1), {}),
+    "split": (aten.split.Tensor, (rnd(4, 8), 4, 1), {}),
+    "cat": (aten.cat.default, ([rnd(4, 4), rnd(4, 4)], 1), {}),
+    "stack": (aten.stack.default, ([rnd(4, 4), rnd(4, 4)], 0), {}),
+    "contiguous": (aten.contiguous.default, (rnd(4, 8),), {}),
+    "sum": (aten.sum.dim_IntList, (rnd(4, 8), [1], False), {}),
+    "sum_keep": (aten.sum.dim_IntList, (rnd(4, 8), [0], True), {}),
+    "mean": (aten.mean.dim, (rnd(4, 8), [-1], True), {}),
+    "amax": (aten.amax.default, (rnd(4, 8), [1], False), {}),
+    "softmax": (aten._softmax.default, (rnd(4, 8), -1, False), {}),
+    "log_softmax": (aten._log_softmax.default, (rnd(4, 8), 1, False), {}),
+    "layer_norm": (aten.layer_norm.default, (rnd(2, 4, 8), [8], rnd(8), rnd(8), 1e-5), {}),
+    "sdpa": (aten.scaled_dot_product_attention.default, (rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 4, 4, 8)), {}),
+    "sdpa_mask": (aten.scaled_dot_product_attention.default,
+                  (rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 1, 4, 4) > -1), {}),
+    "sdpa_causal": (aten.scaled_dot_product_attention.default,
+                    (rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 4, 4, 8)), {"is_causal": True}),
+    "sdpa_gqa": (aten.scaled_dot_product_attention.default,
+                 (rnd(2, 4, 4, 8), rnd(2, 2, 4, 8), rnd(2, 2, 4, 8)), {"enable_gqa": True}),
+    "embedding": (aten.embedding.default, (rnd(16, 8), ints(16, 2, 4)), {}),
+    "cross_entropy_mean": (aten.cross_entropy_loss.default, (rnd(8, 16), ints(16, 8)), {}),
+    "cross_entropy_sum": (aten.cross_entropy_loss.default, (rnd(8, 16), ints(16, 8), None, 2), {}),
+    "cross_entropy_none": (aten.cross_entropy_loss.default, (rnd(8, 16), ints(16, 8), None, 0), {}),
+    "cumsum": (aten.cumsum.default, (rnd(4, 8), 1), {}),
+    "gather": (aten.gather.default, (rnd(4, 8), 1, ints(8, 4, 8)), {}),
+    "pad": (aten.pad.default, (rnd(4, 8), [1, 1]), {}),
+}
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_strategy_reproduces_the_op(name, mesh):
+    target, args, kwargs = CASES[name]
+    rule = rule_for(target)
+    assert rule is not None, f"no rule registered for {target}"
+    call, _ = op_call_of(target, args, kwargs)
+    strategies = expand(rule(call), call, mesh)
+    assert strategies, "a rule must offer at least the replicated strategy"
+    expected = target(*args, **kwargs)
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    for i, s in enumerate(strategies):
+        got = run_sharded(target, args, kwargs, s, mesh, seed=i)
+        for e, o in zip(expected, got):
+            torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} under {s}: {m}")
+
+
+def _count(name, mesh=(2, 2)):
+    target, args, kwargs = CASES[name]
+    call, _ = op_call_of(target, args, kwargs)
+    return expand(rule_for(target)(call), call, mesh)
+
+
+def test_mm_strategy_count():
+    # per axis: RR->R, PR->P, RP->P, S0R->S0, RS1->S1, S1S0->P = 6; on (2,2) every pair
+    # fits (4x8 @ 8x4 splits evenly), so 6 * 6 = 36
+    assert len(_count("mm")) == 36
+
+
+def test_one_axis_mesh_has_only_replicated_strategies():
+    assert [str(s) for s in _count("mm", (1, 1))] == ["(RR,RR)->RR"]
+
+
+def test_softmax_never_splits_its_dim():
+    for s in _count("softmax"):
+        assert Shard(1) not in s.inputs[0].placements
+
+
+def test_gqa_heads_split_only_when_kv_heads_divide():
+    # 2 kv heads cannot split 4 ways: on (1, 4) no head-sharded strategy exists
+    heads = [s for s in _count("sdpa_gqa", (1, 4)) if Shard(1) in s.outputs[0].placements]
+    assert heads == []
+    assert any(Shard(1) in s.outputs[0].placements for s in _count("sdpa_gqa", (2, 2)))
+
+
+def test_causal_attention_does_not_split_query_rows():
+    assert all(Shard(2) not in s.outputs[0].placements for s in _count("sdpa_causal"))
+
+
+def test_mean_gives_average_partial_and_sum_gives_sum_partial():
+    assert any(s.outputs[0].placements == (Partial("avg"), R) for s in _count("mean"))
+    assert any(s.outputs[0].placements == (P, R) for s in _count("sum"))
+
+
+def test_add_with_scalar_is_not_linear():
+    assert all(not isinstance(p, Partial) for s in _count("add_scalar") for p in s.outputs[0].placements)
