@@ -25,3 +25,11 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """Sum `input` over the group, keep this rank's chunk of dim 0 in `output`.
+    torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single."""
+    import torch.distributed as dist
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, group=group)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar import _compat
 from autopar.resharding import Step
 
 
@@ -59,7 +60,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // comm.size,) + tuple(moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=comm.group)
+    _compat.reduce_scatter_tensor(out, moved, comm.group)
     return out.movedim(0, dim).contiguous()
 
 

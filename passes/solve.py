@@ -26,6 +26,9 @@ once follows its consumer and is stored in the layout the consumer reads.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -202,7 +205,7 @@ def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePric
             if c == INF:
                 vars_.append(None)
                 continue
-            var = pulp.LpVariable(f"s_{L.name}_{i}", cat="Binary")
+            var = _variable(prob, f"s_{L.name}_{i}", cat="Binary")
             objective.append(c * US * var)
             vars_.append(var)
             n_vars += 1
@@ -258,13 +261,20 @@ def _edge_terms(prob, objective, e, graph, groups, choice, pricer, v: PlannedNod
     for oi, o in enumerate(src):
         for r in range(len(dst_classes)):
             if matrix[(o, r)] < INF:
-                xs[(oi, r)] = x = pulp.LpVariable(f"x_{e}_{oi}_{r}", lowBound=0)
+                xs[(oi, r)] = x = _variable(prob, f"x_{e}_{oi}_{r}", lowBound=0)
                 objective.append(matrix[(o, r)] * US * x)
     for oi, (o, vars_) in enumerate(src.items()):
         prob += pulp.lpSum(x for (a, _), x in xs.items() if a == oi) == pulp.lpSum(vars_), f"e{e}_src{oi}"
     for r, (_, vars_) in enumerate(dst_classes):
         prob += pulp.lpSum(x for (_, b), x in xs.items() if b == r) == pulp.lpSum(vars_), f"e{e}_dst{r}"
     return len(xs)
+
+
+def _variable(prob: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
+    """PuLP 3.3 deprecates free-standing LpVariable in favour of prob.add_variable."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, **kw)
+    return pulp.LpVariable(name, **kw)
 
 
 def _add_or_forbid(prob, objective, var, cost: float, name: str) -> None:
@@ -293,7 +303,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     ilp = build_ilp(graph, groups, pricer, ncost)
     name, solver = _solver(options)
     t0 = time.perf_counter()
-    ilp.prob.solve(solver)
+    with _quiet_stdout():
+        ilp.prob.solve(solver)
     elapsed = time.perf_counter() - t0
     status = pulp.LpStatus[ilp.prob.status]
     picks = {}
@@ -307,13 +318,32 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     if status != "Optimal":
         status = f"{status} (time limit {options.time_limit_s} s)"
     objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
-    report = SolverReport(name, status, objective_s, _gap(solver), elapsed, ilp.n_vars,
-                          len(ilp.prob.constraints), len(ilp.choice))
+    report = SolverReport(name, status, objective_s, _gap(ilp.prob), elapsed, ilp.n_vars,
+                          ilp.prob.numConstraints(), len(ilp.choice))
     return read_plan(graph, groups, picks, pricer, costs, report)
 
 
-def _gap(solver) -> Optional[float]:
-    model = getattr(solver, "solverModel", None) or getattr(solver, "model", None)
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS prints a banner from C even with msg=False; keep the user's stdout clean."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def _gap(prob) -> Optional[float]:
+    model = getattr(prob, "solverModel", None)
     try:
         return float(model.getInfo().mip_gap)
     except Exception:  # noqa: BLE001 - the gap is informational; CBC through pulp does not expose it

@@ -97,9 +97,11 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
             "autopar needs a model that torch.export.export(model, args, kwargs, strict=False) accepts; "
             "remove data-dependent Python control flow or pass example inputs that exercise one path.") from e
     # 3. signature
+    inputs = _graph_inputs(ep, name)
+    _refuse_input_writes(ep.graph_module, inputs, name)
     return TracedGraph(
         gm=ep.graph_module,
-        inputs=_graph_inputs(ep, name),
+        inputs=inputs,
         in_spec=in_spec,
         out_spec=ep.call_spec.out_spec,
         leaf_constants=consts,
@@ -142,6 +144,39 @@ def _graph_inputs(ep: Any, model_name: str) -> tuple[GraphInput, ...]:
             target = _strip(spec.target)
         out.append(GraphInput(spec.arg.name, kind, target, TensorMeta.of(val)))
     return tuple(out)
+
+
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """Graph values an op writes in place, read from its schema's (a!) annotations."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            out.append(value)
+    return out
+
+
+def _refuse_input_writes(gm: fx.GraphModule, inputs: tuple[GraphInput, ...], model_name: str) -> None:
+    """Each rank holds its own block of parameters, buffers and inputs, so an in-place
+    update of one (BatchNorm's running statistics, a counter) would silently diverge."""
+    by_name = {gi.name: gi for gi in inputs}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for value in written_args(node):
+            gi = by_name.get(value.name)
+            if gi is not None:
+                from autopar.errors import describe_node
+                what = gi.target if isinstance(gi.target, str) else f"input #{gi.target}"
+                raise UnsupportedModelError(
+                    f"model {model_name} mutates {gi.kind} {what} in place at {describe_node(node)}; "
+                    "autopar does not parallelise in-place updates of parameters, buffers or inputs yet. "
+                    "Call model.eval() (BatchNorm running statistics) or make the update functional.")
 
 
 def fingerprint(gm: fx.GraphModule) -> str:

@@ -79,3 +79,18 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
         pairs[gi.target] = (local.grad, expect, str(spec))
     return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": pairs,
             "collectives": [str(c) for c in plan.collectives()]}
+
+
+def lazy_signatures(rank: int, world: int, mesh: tuple) -> dict:
+    """compile without inputs: planned at the first call, re-planned per new shape,
+    parameter layouts kept from the first plan."""
+    m = models.build("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, mesh=mesh, device=CHEAP_COMM)
+        out = {}
+        for batch, seq in [(2, 8), (4, 4), (2, 8)]:
+            args, kwargs = models.inputs("gpt2", batch, seq)
+            with torch.no_grad():
+                out[(batch, seq)] = (pm(*args, **kwargs).logits, m(*args, **kwargs).logits)
+    return {"outputs": out, "plans": len(pm._compiled)}
