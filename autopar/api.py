@@ -9,21 +9,24 @@ from torch import nn
 
 from autopar.mesh import Mesh
 from autopar.options import Options
-from autopar.planning import plan
+from autopar.planning import plan  # noqa: F401 - re-exported
 from autopar.runtime import ParallelModule
 
 __all__ = ["compile", "plan"]
 
 
 def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dict] = None, *,
-            mesh: Any, options: Optional[Options] = None, **option_overrides: Any) -> ParallelModule:
+            mesh: Any, options: Optional[Options] = None, plan: Any = None,
+            **option_overrides: Any) -> ParallelModule:
     """Parallelise `model` over `mesh` on the initialised process group.
 
     Without `args`/`kwargs` it is traced and planned at the first call (per input
-    signature); with them, now. Keyword overrides go to Options (device=..., training=...).
+    signature); with them, now. `plan` (a Plan or a JSON path) skips solving: it must
+    have been made for this model and input shapes (checked by graph fingerprint).
+    Keyword overrides go to Options (device=..., training=...).
     """
     opts = replace(options or Options(), **option_overrides)
-    pm = ParallelModule(model, Mesh.of(mesh), opts)
+    pm = ParallelModule(model, Mesh.of(mesh), opts, plan)
     if args is not None or kwargs is not None:
         if args is not None and not isinstance(args, (tuple, list)):
             args = (args,)

@@ -68,6 +68,15 @@ def parse_placement(text: str) -> Placement:
     raise ValueError(f"not a placement: {text!r} (expected R, S(d), P or P(avg|max))")
 
 
+def parse_placements(text: str) -> tuple[Placement, ...]:
+    """Inverse of str(spec): 'S(0)R' -> (Shard(0), R)."""
+    import re
+    tokens = re.findall(r"S\(\d+\)|P\(\w+\)|P|R", text)
+    if "".join(tokens) != text:
+        raise ValueError(f"not a placement string: {text!r} (expected e.g. 'S(0)R' or 'PS(1)')")
+    return tuple(parse_placement(t) for t in tokens)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Global shape and dtype of one tensor of the traced graph."""

@@ -17,6 +17,28 @@ from autopar.placement import Spec
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """One strategy the solver could have picked for a node, priced with every other
+    node held at its chosen strategy: its own compute, the reshards into it from its
+    producers' chosen outputs, and from it into its consumers' chosen inputs."""
+
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+    compute_s: float
+    reshard_in_s: float
+    reshard_out_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.reshard_in_s + self.reshard_out_s
+
+    def label(self) -> str:
+        ins = ",".join(str(s) for s in self.inputs)
+        outs = ",".join(str(s) for s in self.outputs)
+        return f"({ins}) -> {outs}"
+
+
+@dataclass(frozen=True)
 class NodeChoice:
     name: str
     op: str
@@ -25,6 +47,8 @@ class NodeChoice:
     compute_s: float
     alternatives: int  # how many strategies the solver could pick from
     module: str = ""  # the nn.Module path the op came from, e.g. "transformer.h.0.attn"
+    options: tuple[Alternative, ...] = ()  # what the solver could pick (see Plan.explain)
+    group: str = ""  # the decision group's leader (a follower moves with it)
 
     def __str__(self) -> str:
         ins = ",".join(str(s) for s in self.inputs)
@@ -144,3 +168,75 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+    # ---- reading a plan ---------------------------------------------------------
+    def explain(self, node: "str | object") -> str:
+        """The strategies the solver had for `node` (a name or an fx.Node), each priced
+        with every other node at its chosen strategy, and why the chosen one won."""
+        name = node if isinstance(node, str) else getattr(node, "name", str(node))
+        n = self.node(name)
+        chosen = next((a for a in n.options if a.inputs == n.inputs and a.outputs == n.outputs), None)
+        lines = [f"{n.name} ({n.op}{', in ' + n.module if n.module else ''}): {len(n.options)} strategies; "
+                 f"times in microseconds, others held at the plan"]
+        lines.append(f"  {'':2}{'compute':>10}{'reshard in':>12}{'reshard out':>12}{'total':>10}  strategy")
+        for a in sorted(n.options, key=lambda a: (a.total_s, a.label())):
+            mark = "->" if a is chosen else ""
+            fmt = [f"{x * 1e6:.2f}" if x != float("inf") else "inf"
+                   for x in (a.compute_s, a.reshard_in_s, a.reshard_out_s, a.total_s)]
+            lines.append(f"  {mark:2}{fmt[0]:>10}{fmt[1]:>12}{fmt[2]:>12}{fmt[3]:>10}  {a.label()}")
+        best = min(n.options, key=lambda a: a.total_s, default=None)
+        if chosen is None or best is None:
+            lines.append("  why: the node has no recorded alternatives")
+        elif chosen.total_s <= best.total_s * (1 + 1e-9):
+            lines.append("  why: it is the cheapest strategy given its neighbours' choices")
+        else:
+            lines.append(f"  why: it moves with {n.group or 'its group'} (a follower shares its leader's choice); "
+                         "a cheaper local choice would cost more elsewhere in that group")
+        return "\n".join(lines)
+
+    def diff(self, other: "Plan") -> str:
+        """Nodes whose placements differ between two plans of the same graph, and the cost delta."""
+        if self.fingerprint != other.fingerprint:
+            head = (f"plans are for different graphs ({self.model_name} {self.fingerprint} vs "
+                    f"{other.model_name} {other.fingerprint}); comparing nodes by name")
+        else:
+            head = f"plans for {self.model_name} ({self.fingerprint})"
+        mine = {n.name: n for n in self.nodes}
+        lines = [head, f"  mesh {self.mesh.shape} vs {other.mesh.shape}",
+                 f"  total {self.total_s * 1e3:.3f} ms vs {other.total_s * 1e3:.3f} ms "
+                 f"(delta {(other.total_s - self.total_s) * 1e3:+.3f} ms; compute "
+                 f"{(other.compute_s - self.compute_s) * 1e3:+.3f}, communication "
+                 f"{(other.comm_s - self.comm_s) * 1e3:+.3f})",
+                 f"  memory per rank {self.memory_bytes / 2**20:.2f} MiB vs {other.memory_bytes / 2**20:.2f} MiB"]
+        changed = []
+        for n in other.nodes:
+            a = mine.get(n.name)
+            if a is None:
+                changed.append(f"    {n.name}: only in the second plan")
+            elif [str(s) for s in a.outputs] != [str(s) for s in n.outputs] or a.inputs != n.inputs:
+                changed.append(f"    {n.name}: {','.join(map(str, a.outputs))} -> {','.join(map(str, n.outputs))}"
+                               f"  (compute {(n.compute_s - a.compute_s) * 1e6:+.2f} us)")
+        changed += [f"    {name}: only in the first plan" for name in mine if name not in {n.name for n in other.nodes}]
+        lines.append(f"  {len(changed)} nodes differ" + (":" if changed else ""))
+        return "\n".join(lines + changed)
+
+    # ---- artifacts -------------------------------------------------------------
+    def to_json(self, path) -> None:
+        """Save atomically as JSON (schema in autopar/plan_io.py)."""
+        from autopar import plan_io
+        plan_io.save(self, path)
+
+    @staticmethod
+    def from_json(path) -> "Plan":
+        from autopar import plan_io
+        return plan_io.load(path)
+
+    def digest(self) -> str:
+        """A hash of everything that decides what the ranks run (placements and steps)."""
+        import hashlib
+        h = hashlib.sha256(repr((self.mesh.shape, self.fingerprint)).encode())
+        for n in self.nodes:
+            h.update(repr((n.name, [str(s) for s in n.inputs], [str(s) for s in n.outputs])).encode())
+        for e in self.edges:
+            h.update(repr((e.producer, e.index, e.consumer, e.position, [str(s) for s in e.steps])).encode())
+        return h.hexdigest()[:16]

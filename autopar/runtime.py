@@ -41,7 +41,7 @@ def _signature(tensors: list[torch.Tensor], spec: Any, consts: tuple) -> tuple:
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, model: nn.Module, mesh: Mesh, options: Options) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | str | None" = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError(
@@ -67,6 +67,7 @@ class ParallelModule(nn.Module):
         self._compiled: dict[tuple, _Compiled] = {}
         self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None
         self._last: Optional[_Compiled] = None
+        self._given_plan, self._plan_source = _load_given(plan)
 
     def _axis_comms(self, mesh: Mesh) -> tuple[AxisComm, ...]:
         comms = []
@@ -110,13 +111,37 @@ class ParallelModule(nn.Module):
         if key in self._compiled:
             return self._compiled[key]
         traced = trace(self._model, args, kwargs)
-        plan = self._plan_on_rank0(traced)
+        plan = self._given(traced) if self._given_plan is not None else self._plan_on_rank0(traced)
+        self._check_plan_agreement(plan)
         program = emit(traced, plan, self.coords, self._comms)
         if self._pinned is None:
             self._materialise_state(traced, plan)
         compiled = _Compiled(traced, plan, program)
         self._compiled[key] = compiled
         return compiled
+
+    def _given(self, traced: TracedGraph) -> Plan:
+        from autopar.plan_io import PlanFileError
+        plan = self._given_plan
+        if plan.fingerprint != traced.fingerprint:
+            raise PlanFileError(
+                f"{self._plan_source} was made for {plan.model_name} with graph fingerprint {plan.fingerprint}, "
+                f"but {traced.model_name} with these inputs traces to {traced.fingerprint}; re-plan for this "
+                "model and these input shapes")
+        if plan.mesh != self.mesh:
+            raise PlanFileError(f"{self._plan_source} is for mesh {plan.mesh.shape}, not {self.mesh.shape}")
+        return plan
+
+    def _check_plan_agreement(self, plan: Plan) -> None:
+        """Every rank compares the hash of its plan and reshard schedule before the first
+        step: a mismatch fails here with a message instead of hanging in a collective."""
+        digests: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, plan.digest())
+        if len(set(digests)) > 1:
+            odd = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise ProcessGroupError(
+                f"ranks run different plans: rank 0 has plan {digests[0]}, ranks {odd} have "
+                f"{sorted(set(digests[r] for r in odd))}; give every rank the same model, inputs and plan file")
 
     def _plan_on_rank0(self, traced: TracedGraph) -> Plan:
         """Rank 0 solves; the others receive its plan (one solve instead of one per
@@ -182,6 +207,14 @@ class ParallelModule(nn.Module):
                 local.append(shard(t, s, self.mesh.shape, self.coords) if not s.is_replicated() else t)
         outputs = program.gm(*local)
         return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
+
+
+def _load_given(plan: "Plan | str | None") -> tuple[Optional[Plan], str]:
+    if plan is None or isinstance(plan, Plan):
+        return plan, "the given plan"
+    import os
+    from autopar import plan_io
+    return plan_io.load(plan), f"plan file {os.fspath(plan)}"
 
 
 def _timedelta(seconds: float):

@@ -39,7 +39,7 @@ import pulp
 from autopar.errors import SolverError
 from autopar.options import Options
 from autopar.placement import R, Spec
-from autopar.plan import EdgePlan, NodeChoice, Plan, SolverReport
+from autopar.plan import Alternative, EdgePlan, NodeChoice, Plan, SolverReport
 from autopar.resharding import Step, Unreachable, reshard_steps, split_axes
 from autopar.cost_models.compute import VIEWS
 from autopar.cost_models.model import CostModel
@@ -350,6 +350,15 @@ def _gap(prob) -> Optional[float]:
         return None
 
 
+def _alternative(n: PlannedNode, alt: Strategy, chosen: dict[str, Strategy],
+                 consumers: dict[str, list[tuple[PlannedNode, int, int]]], pricer: EdgePricer,
+                 costs: CostModel) -> Alternative:
+    compute_s = costs.op_cost(n.call.target, alt.inputs, alt.outputs).compute_s if n.call is not None else 0.0
+    into = sum(pricer.cost_s(chosen[u].outputs[k], alt, pos) for pos, (u, k) in enumerate(n.inputs))
+    out_of = sum(pricer.cost_s(alt.outputs[k], chosen[v.name], pos) for v, pos, k in consumers.get(n.name, ()))
+    return Alternative(alt.inputs, alt.outputs, compute_s, into, out_of)
+
+
 def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
               costs: CostModel, report: SolverReport) -> Plan:
     chosen: dict[str, Strategy] = {}
@@ -360,11 +369,17 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
     compute_total = comm_total = 0.0
     param_bytes = act_bytes = 0
     mesh = graph.mesh.shape
+    consumers: dict[str, list[tuple[PlannedNode, int, int]]] = {}
+    for n in graph.nodes:
+        for pos, (u, k) in enumerate(n.inputs):
+            consumers.setdefault(u, []).append((n, pos, k))
     for n in graph.nodes:
         s = chosen[n.name]
         c = costs.op_cost(n.call.target, s.inputs, s.outputs).compute_s if n.call is not None else 0.0
         compute_total += c
-        nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module))
+        options = tuple(_alternative(n, alt, chosen, consumers, pricer, costs) for alt in n.strategies)
+        nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
+                                groups[n.name].leader))
         if n.op.startswith("placeholder:") and n.op != "placeholder:user_input":
             param_bytes += s.outputs[0].local_nbytes(mesh)
         elif n.call is not None and n.call.target not in VIEWS:

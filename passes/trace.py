@@ -97,7 +97,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
             "autopar needs a model that torch.export.export(model, args, kwargs, strict=False) accepts; "
             "remove data-dependent Python control flow or pass example inputs that exercise one path.") from e
     # 3. signature
-    inputs = _graph_inputs(ep, name)
+    inputs = _rename_placeholders(ep.graph_module, _graph_inputs(ep, name))
     _refuse_input_writes(ep.graph_module, inputs, name)
     return TracedGraph(
         gm=ep.graph_module,
@@ -144,6 +144,28 @@ def _graph_inputs(ep: Any, model_name: str) -> tuple[GraphInput, ...]:
             target = _strip(spec.target)
         out.append(GraphInput(spec.arg.name, kind, target, TensorMeta.of(val)))
     return tuple(out)
+
+
+def _rename_placeholders(gm: fx.GraphModule, inputs: tuple[GraphInput, ...]) -> tuple[GraphInput, ...]:
+    """'p_model_lm_head_weight' -> 'p_lm_head_weight': drop the wrapper's attribute name;
+    user inputs are named after their position ('tensors_0' -> 'input_0')."""
+    taken = {n.name for n in gm.graph.nodes}
+    renamed = {}
+    for gi in inputs:
+        new = gi.name
+        for prefix in ("p_model_", "b_model_", "c_model_"):
+            if gi.name.startswith(prefix):
+                new = prefix[:2] + gi.name[len(prefix):]
+        if gi.kind == "user_input" and gi.name.startswith("tensors"):
+            new = f"input_{gi.target}"
+        if new != gi.name and new not in taken:
+            taken.add(new)
+            renamed[gi.name] = new
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in renamed:
+            node.name = node.target = renamed[node.name]
+    gm.recompile()
+    return tuple(GraphInput(renamed.get(gi.name, gi.name), gi.kind, gi.target, gi.meta) for gi in inputs)
 
 
 def written_args(node: fx.Node) -> list[fx.Node]:

@@ -94,3 +94,39 @@ def lazy_signatures(rank: int, world: int, mesh: tuple) -> dict:
             with torch.no_grad():
                 out[(batch, seq)] = (pm(*args, **kwargs).logits, m(*args, **kwargs).logits)
     return {"outputs": out, "plans": len(pm._compiled)}
+
+
+def compile_from_plan_file(rank: int, world: int, plan_path: str, mesh: tuple, model: str = "gpt2") -> dict:
+    """A saved plan drives the program (no solve): outputs equal the single-device ones."""
+    m = models.build(model)
+    args, kwargs = models.inputs(model, batch=4)
+    with torch.no_grad():
+        reference = _leaves(m(*args, **kwargs))
+    pm = autopar.compile(m, args, kwargs, mesh=mesh, plan=plan_path)
+    with torch.no_grad():
+        parallel = _leaves(pm(*args, **kwargs))
+    return {"reference": reference, "parallel": parallel, "digest": pm.plan.digest()}
+
+
+def plan_file_for_other_model(rank: int, world: int, plan_path: str, mesh: tuple) -> dict:
+    m = models.build("gpt2", n_layer=1)  # the plan file was made for the 2-layer model
+    args, kwargs = models.inputs("gpt2", batch=4)
+    try:
+        autopar.compile(m, args, kwargs, mesh=mesh, plan=plan_path)
+    except autopar.AutoparError as e:
+        return {"error_type": type(e).__name__, "message": str(e)}
+    return {"error_type": None}
+
+
+def mismatched_plans(rank: int, world: int, plan_paths: list, mesh: tuple) -> dict:
+    """Rank 0 is handed a different (valid) plan than the others: every rank must fail
+    fast at the start-up check instead of hanging in a collective."""
+    import time
+    m = models.build("gpt2")
+    args, kwargs = models.inputs("gpt2", batch=4)
+    t0 = time.monotonic()
+    try:
+        autopar.compile(m, args, kwargs, mesh=mesh, plan=plan_paths[0 if rank == 0 else 1])
+    except autopar.AutoparError as e:
+        return {"error_type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+    return {"error_type": None, "seconds": time.monotonic() - t0}

@@ -56,7 +56,7 @@ def test_large_batch_is_pure_data_parallel():
     model = MLP((16, 64, 16)).eval()
     plan = _plan(model, (torch.randn(4096, 16),), mesh=(4, 1))
     assert all(n.outputs[0].is_replicated() for n in plan.nodes if n.op == "placeholder:parameter")
-    assert plan.node("tensors_0").outputs[0].placements[0] == autopar.Shard(0)
+    assert plan.node("input_0").outputs[0].placements[0] == autopar.Shard(0)
     collectives = plan.collectives()
     assert [(c.kind, c.consumer) for c in collectives] == [("all_gather", "output")]
 
@@ -109,3 +109,20 @@ def test_training_plan_counts_backward():
     training = _plan(model.train(), (x,), mesh=(2, 2))
     assert training.training and not inference.training
     assert training.total_s > inference.total_s
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
+@pytest.mark.parametrize("mesh", [(1, 4), (2, 2)])
+def test_solver_never_costs_more_than_hand_plans(name, mesh):
+    from autopar.hand_plans import hand_plan
+    model = models.build(name)
+    args, kwargs = models.inputs(name, batch=4)
+    device = _cheap_comm()
+    auto = _plan(model, args, kwargs, mesh=mesh, device=device)
+    for style in ("megatron", "data_parallel"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hand = hand_plan(model, args, kwargs, mesh=mesh, style=style, device=device)
+        assert auto.total_s <= hand.total_s * (1 + 1e-9), (style, auto.total_s, hand.total_s)
+    megatron = hand_plan(model, args, kwargs, mesh=mesh, style="megatron", device=device)
+    assert any(not n.outputs[0].is_replicated() for n in megatron.nodes if n.op == "placeholder:parameter")
