@@ -12,11 +12,12 @@ from autopar.placement import Partial, Replicate, Shard, Spec, TensorMeta
 from autopar.plan import Collective, Plan
 from autopar.api import compile, plan
 from autopar.runtime import ParallelModule
+from autopar.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "compile", "plan", "Plan", "Options", "ParallelModule", "Mesh", "Spec", "TensorMeta", "Shard", "Replicate",
     "Partial", "Collective", "AutoparError", "TraceError", "UnsupportedModelError", "SolverError", "MeshError",
-    "InputMismatchError", "ProcessGroupError",
+    "InputMismatchError", "ProcessGroupError", "verify", "VerifyReport",
 ]

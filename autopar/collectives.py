@@ -191,16 +191,27 @@ def run_step(step: Step, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
 class StepModule(nn.Module):
     """One reshard step in an emitted program: `all_gather_3 = self.all_gather_3(x)`."""
 
-    def __init__(self, step: Step, comm: Optional[AxisComm]) -> None:
+    def __init__(self, step: Step, comm: Optional[AxisComm], where: str = "") -> None:
         super().__init__()
         self.step = step
         self.comm = comm
+        self.where = where  # "producer -> consumer", for error messages
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
             raise RuntimeError(f"{self.step} has no process group: this program was emitted for reading, "
                                "not running; build it through autopar.compile")
-        return run_step(self.step, x, self.comm)
+        try:
+            return run_step(self.step, x, self.comm)
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"{self.step} on the edge {self.where} failed on mesh coordinate {self.comm.coord} of axis "
+                f"{self.step.axis}: {e}. A peer rank probably failed or stopped first: look at its log "
+                "(the collective timeout is Options.collective_timeout_s)") from e
 
     def extra_repr(self) -> str:
-        return f"{self.step}, backward={self.step.backward}"
+        return f"{self.step}, backward={self.step.backward}, edge={self.where}"
+
+
+class CollectiveError(RuntimeError):
+    """A collective of an emitted program failed or timed out."""

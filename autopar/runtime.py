@@ -110,9 +110,21 @@ class ParallelModule(nn.Module):
     def _get(self, args: tuple, kwargs: dict, key: tuple) -> _Compiled:
         if key in self._compiled:
             return self._compiled[key]
-        traced = trace(self._model, args, kwargs)
-        plan = self._given(traced) if self._given_plan is not None else self._plan_on_rank0(traced)
-        self._check_plan_agreement(plan)
+        # a failure on any rank (trace, plan, plan file) reaches every rank at the agreement
+        # check below, so no rank is left waiting in a collective
+        traced, plan, problem = None, None, None
+        try:
+            traced = trace(self._model, args, kwargs)
+        except Exception as e:  # noqa: BLE001
+            problem = e
+        if self._given_plan is None:
+            plan, problem = self._plan_on_rank0(traced, problem)
+        elif problem is None:
+            try:
+                plan = self._given(traced)
+            except Exception as e:  # noqa: BLE001
+                problem = e
+        self._check_plan_agreement(plan, problem)
         program = emit(traced, plan, self.coords, self._comms)
         if self._pinned is None:
             self._materialise_state(traced, plan)
@@ -132,36 +144,49 @@ class ParallelModule(nn.Module):
             raise PlanFileError(f"{self._plan_source} is for mesh {plan.mesh.shape}, not {self.mesh.shape}")
         return plan
 
-    def _check_plan_agreement(self, plan: Plan) -> None:
+    def _check_plan_agreement(self, plan: Optional[Plan], problem: Optional[Exception]) -> None:
         """Every rank compares the hash of its plan and reshard schedule before the first
-        step: a mismatch fails here with a message instead of hanging in a collective."""
-        digests: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, plan.digest())
+        step, and reports any local failure to plan: a mismatch or an error anywhere
+        fails on every rank with a message, instead of leaving the others in a collective."""
+        mine = (plan.digest() if plan is not None else None, f"{type(problem).__name__}: {problem}" if problem else None)
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        failed = [(r, err) for r, (_, err) in enumerate(seen) if err]
+        if problem is not None:
+            raise problem
+        if failed:
+            r, err = failed[0]
+            raise ProcessGroupError(f"rank {r} could not plan ({err}); this rank stops too")
+        digests = [d for d, _ in seen]
         if len(set(digests)) > 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
             raise ProcessGroupError(
                 f"ranks run different plans: rank 0 has plan {digests[0]}, ranks {odd} have "
                 f"{sorted(set(digests[r] for r in odd))}; give every rank the same model, inputs and plan file")
 
-    def _plan_on_rank0(self, traced: TracedGraph) -> Plan:
+    def _plan_on_rank0(self, traced: Optional[TracedGraph], problem: Optional[Exception]
+                       ) -> tuple[Optional[Plan], Optional[Exception]]:
         """Rank 0 solves; the others receive its plan (one solve instead of one per
-        rank, and every rank is sure to run the same plan)."""
-        box: list[Any] = [None]
-        if self.rank == 0:
+        rank, and every rank is sure to run the same plan). Returns (plan, problem)."""
+        box: list[Any] = [problem]
+        if self.rank == 0 and problem is None:
             try:
                 box[0] = plan_traced(traced, self.mesh, self.options, self._pinned)[1]
             except Exception as e:  # noqa: BLE001 - forwarded so the other ranks fail too, not hang
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
+        if problem is not None:
+            return None, problem
         if isinstance(box[0], Exception):
             if self.rank == 0:
-                raise box[0]
-            raise RuntimeError(f"planning failed on rank 0: {type(box[0]).__name__}: {box[0]}") from box[0]
+                return None, box[0]
+            return None, RuntimeError(f"planning failed on rank 0: {type(box[0]).__name__}: {box[0]}")
         plan = box[0]
         if plan.fingerprint != traced.fingerprint:
-            raise RuntimeError(f"rank {self.rank} traced a different graph (fingerprint {traced.fingerprint}) than "
-                               f"rank 0 ({plan.fingerprint}); every rank must pass the same model and input shapes")
-        return plan
+            return None, InputMismatchError(
+                f"rank {self.rank} traced a different graph (fingerprint {traced.fingerprint}) than rank 0 "
+                f"({plan.fingerprint}); every rank must pass the same model and input shapes")
+        return plan, None
 
     def _materialise_state(self, traced: TracedGraph, plan: Plan) -> None:
         """Cut this rank's shards from the full model. Tied parameters (one tensor under
@@ -190,8 +215,17 @@ class ParallelModule(nn.Module):
     # ---- running ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors, spec, consts = flatten_inputs(args, kwargs)
+        for i, t in enumerate(tensors):
+            if t.device != self.device:
+                raise InputMismatchError(f"input tensor #{i} (shape {tuple(t.shape)}) is on {t.device} but the model "
+                                         f"is on {self.device}; move inputs to the model's device")
         compiled = self._get(args, kwargs, _signature(tensors, spec, consts))
         self._last = compiled
+        outputs = compiled.program.gm(*self._local_inputs(compiled, tensors))
+        return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
+
+    def _local_inputs(self, compiled: _Compiled, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's block of every program input, in placeholder order."""
         program = compiled.program
         local = []
         for gi, s in zip(program.inputs, program.specs):
@@ -201,12 +235,8 @@ class ParallelModule(nn.Module):
                 local.append(shard(compiled.traced.constants[gi.target], s, self.mesh.shape, self.coords))
             else:
                 t = tensors[gi.target]
-                if t.device != self.device:
-                    raise InputMismatchError(f"input {gi.name} is on {t.device} but the model is on {self.device}; "
-                                             "move inputs to the model's device")
                 local.append(shard(t, s, self.mesh.shape, self.coords) if not s.is_replicated() else t)
-        outputs = program.gm(*local)
-        return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
+        return local
 
 
 def _load_given(plan: "Plan | str | None") -> tuple[Optional[Plan], str]:

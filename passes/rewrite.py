@@ -50,7 +50,7 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
             if key not in cache:
                 name = f"ap_{step.kind}_{counter[0]}"
                 counter[0] += 1
-                root.add_module(name, StepModule(step, comms[step.axis]))
+                root.add_module(name, StepModule(step, comms[step.axis], f"{edge.producer} -> {edge.consumer}"))
                 cache[key] = graph.call_module(name, (value,))
             value = cache[key]
         return value

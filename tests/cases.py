@@ -130,3 +130,70 @@ def mismatched_plans(rank: int, world: int, plan_paths: list, mesh: tuple) -> di
     except autopar.AutoparError as e:
         return {"error_type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
     return {"error_type": None, "seconds": time.monotonic() - t0}
+
+
+def fuzz_on_ranks(rank: int, world: int, specs: list) -> dict:
+    """Fuzzed models on real gloo ranks: forward outputs and local gradients."""
+    import copy
+    from autopar.placement import local_chunk
+    from tests import fuzz_models
+    out = []
+    for spec in specs:
+        model, x = fuzz_models.build(spec)
+        ref = copy.deepcopy(model)
+        ref_out = ref(x)
+        (ref_out ** 2).mean().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(model, (x,), mesh=spec["mesh"], device=fuzz_models.device_for(spec))
+        y = pm(x)
+        (y ** 2).mean().backward()
+        grads = {}
+        for n in pm.plan.nodes:
+            if n.op == "placeholder:parameter":
+                gi = next(g for g in pm._last.traced.inputs if g.name == n.name)
+                grads[gi.target] = (pm.shards.get_parameter(gi.target).grad,
+                                    local_chunk(dict(ref.named_parameters())[gi.target].grad, n.outputs[0],
+                                                pm.plan.mesh.shape, pm.coords))
+        out.append({"out": y.detach(), "ref": ref_out.detach(), "grads": grads})
+    return {"cases": out}
+
+
+def one_rank_fails(rank: int, world: int, where: str, timeout_s: float = 8.0) -> dict:
+    """Rank 1 fails on purpose ('compile': different input shapes; 'step': raises before
+    its forward). The others must raise within the collective timeout, not hang."""
+    import time
+    m = models.build("mlp")
+    x = torch.randn(8 if (where == "compile" and rank == 1) else 4, 16)
+    t0 = time.monotonic()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(m, (x,), mesh=(2, 2), device=CHEAP_COMM, collective_timeout_s=timeout_s)
+        if where == "step":
+            if rank == 1:  # alive but silent: its peers must give up after the timeout
+                time.sleep(timeout_s * 3)
+                raise KeyboardInterrupt("rank 1 stops on purpose") from None
+            pm(x)
+            pm(x)
+    except KeyboardInterrupt as e:
+        return {"error": None, "raised_on_purpose": str(e), "seconds": time.monotonic() - t0}
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        return {"error": None, "caught": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+    return {"error": None, "caught": None, "seconds": time.monotonic() - t0}
+
+
+def verify_plans(rank: int, world: int, mesh: tuple) -> dict:
+    """autopar.verify on the solver's plan, then on a plan with one reduction removed."""
+    import dataclasses
+    m = models.build("mlp")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(m, (x,), mesh=mesh, device=CHEAP_COMM)
+    good = autopar.verify(m, (x,), mesh=mesh, plan=plan, layers=True)
+    victim = next(e for e in plan.edges if any(s.kind == "all_reduce" for s in e.steps))
+    broken_edge = dataclasses.replace(victim, steps=tuple(s for s in victim.steps if s.kind != "all_reduce"))
+    corrupted = dataclasses.replace(plan, edges=tuple(broken_edge if e is victim else e for e in plan.edges))
+    bad = autopar.verify(m, (x,), mesh=mesh, plan=corrupted, layers=True)
+    return {"good": good, "bad": bad, "victim": (victim.producer, victim.consumer)}

@@ -55,6 +55,6 @@ def run_ranks(world: int, cases: list[tuple[Callable, dict]]) -> list[list[Any]]
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     for r, res in enumerate(results):
         for item in res:
-            if isinstance(item, dict) and "error" in item:
+            if isinstance(item, dict) and isinstance(item.get("error"), str):
                 raise AssertionError(f"rank {r} failed:\n{item['error']}")
     return results

@@ -80,3 +80,65 @@ def test_unknown_device_preset_lists_the_known_ones():
     with pytest.raises(ValueError) as err:
         autopar.plan(MLP().eval(), (torch.randn(4, 16),), mesh=(2,), device="tpu9")
     assert "h100" in str(err.value)
+
+
+class MutatesInput(nn.Module):
+    def forward(self, x):
+        x.add_(1.0)
+        return x * 2
+
+
+def test_model_that_mutates_its_input_is_refused():
+    with pytest.raises(autopar.UnsupportedModelError) as err:
+        autopar.plan(MutatesInput(), (torch.randn(4, 4),), mesh=(2,))
+    assert "input #0" in str(err.value) and "add_" in str(err.value)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_mesh_that_does_not_match_the_world_size(one_rank_group):
+    with pytest.raises(autopar.MeshError) as err:
+        autopar.compile(MLP().eval(), mesh=(2, 2))
+    assert "(2, 2)" in str(err.value) and "1 ranks" in str(err.value)
+
+
+def test_parameters_on_mixed_devices(one_rank_group):
+    model = MLP().eval()
+    model.layers[0].weight = nn.Parameter(torch.empty(64, 16, device="meta"))
+    with pytest.raises(autopar.MeshError) as err:
+        autopar.compile(model, mesh=(1,))
+    assert "several devices" in str(err.value) and "meta" in str(err.value)
+
+
+def test_inputs_on_another_device_are_refused(one_rank_group):
+    pm = autopar.compile(MLP().eval(), mesh=(1,))
+    with pytest.raises(autopar.InputMismatchError) as err:
+        pm(torch.randn(2, 16, device="meta"))
+    assert "meta" in str(err.value) and "input" in str(err.value)
+
+
+def test_new_input_shapes_are_replanned_not_misread(one_rank_group):
+    model = MLP().eval()
+    pm = autopar.compile(model, mesh=(1,))
+    for x in (torch.randn(2, 16), torch.randn(5, 16), torch.randn(2, 16)):
+        with torch.no_grad():
+            torch.testing.assert_close(pm(x), model(x))
+    assert len(pm._compiled) == 2  # one plan per shape signature, reused for a repeat
+
+
+def test_heads_that_do_not_divide_the_axis_are_never_split():
+    from tests.test_fuzz import check_simulated
+    spec = {"hidden": 12, "blocks": [("attn", 3), ("mlp", 8)], "out": 6, "bias": True, "residual": True,
+            "softmax": False, "causal": False, "batch": 1, "seq": 4, "mesh": (1, 4), "alpha_s": 1e-9, "seed": 3}
+    check_simulated(spec)  # plan valid and outputs/gradients equal on every rank
+    from tests import fuzz_models
+    model, x = fuzz_models.build(spec)
+    plan = autopar.plan(model, (x,), mesh=(1, 4), device=fuzz_models.device_for(spec))
+    sdpa = next(n for n in plan.nodes if "scaled_dot_product" in n.op)
+    assert autopar.Shard(1) not in sdpa.outputs[0].placements  # 3 heads cannot split 4 ways
