@@ -4,7 +4,7 @@
     plan = autopar.plan(model, args, mesh=(2, 4))  # offline
 """
 
-from autopar.errors import (AutoparError, InputMismatchError, MeshError, ProcessGroupError, SolverError,
+from autopar.errors import (AutoparError, InputMismatchError, MemoryBudgetError, MeshError, ProcessGroupError, SolverError,
                             TraceError, UnsupportedModelError)
 from autopar.mesh import Mesh
 from autopar.options import Options
@@ -19,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "compile", "plan", "Plan", "Options", "ParallelModule", "Mesh", "Spec", "TensorMeta", "Shard", "Replicate",
     "Partial", "Collective", "AutoparError", "TraceError", "UnsupportedModelError", "SolverError", "MeshError",
-    "InputMismatchError", "ProcessGroupError", "verify", "VerifyReport",
+    "InputMismatchError", "ProcessGroupError", "MemoryBudgetError", "verify", "VerifyReport",
 ]

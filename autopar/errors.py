@@ -23,6 +23,16 @@ class SolverError(AutoparError):
     """The ILP had no feasible or no optimal solution."""
 
 
+class MemoryBudgetError(SolverError):
+    """No plan fits the per-rank memory budget; carries the budget and the smallest footprint."""
+
+    def __init__(self, budget: int, smallest: int) -> None:
+        self.budget_bytes, self.smallest_bytes = budget, smallest
+        super().__init__(f"no plan fits the memory budget of {budget} bytes ({budget / 2**20:.2f} MiB) per rank; "
+                         f"the smallest footprint found is {smallest} bytes ({smallest / 2**20:.2f} MiB). Raise "
+                         "Options.memory_budget_bytes, use a larger mesh, or plan for inference")
+
+
 class InputMismatchError(AutoparError, ValueError):
     """Run-time inputs do not match the ones the program was planned for."""
 

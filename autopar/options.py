@@ -22,3 +22,9 @@ class Options:
     time_limit_s: float = 120.0
     # seconds before a collective that does not complete raises instead of hanging
     collective_timeout_s: float = 300.0
+    # per-rank bound on parameters, gradients, optimiser state and activations (bytes);
+    # None for no bound. With a bound, parameters may be stored sharded and gathered
+    # where they are used (ZeRO-3 / FSDP style)
+    memory_budget_bytes: Optional[int] = None
+    # optimiser state per parameter element in training: AdamW keeps two fp32 values
+    optimizer_state_bytes: int = 8

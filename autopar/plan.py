@@ -110,10 +110,11 @@ class Plan:
     activation_bytes: int  # per rank: op outputs of one step (upper bound of what is live)
     solver: SolverReport
     unruled_ops: tuple[str, ...] = ()
+    state_bytes: int = 0  # per rank: gradients and optimiser state (training plans)
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + self.activation_bytes
+        return self.param_bytes + self.state_bytes + self.activation_bytes
 
     @property
     def total_s(self) -> float:

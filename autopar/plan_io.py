@@ -12,7 +12,7 @@ Schema version 1 (keys of the top-level object):
     mesh              [axis sizes]
     training          whether backward work was planned for
     device            cost-model preset or profile name
-    predicted         {compute_s, comm_s, param_bytes, activation_bytes, memory_bytes}: per rank
+    predicted         {compute_s, comm_s, param_bytes, activation_bytes, state_bytes, memory_bytes}: per rank
     solver            {solver, status, objective_s, gap, solve_time_s, variables, constraints, groups}
     unruled_ops       ops replicated for want of a rule
     nodes             [{name, op, module, group, inputs: [spec], outputs: [spec], compute_s,
@@ -76,7 +76,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "torch_version": torch.__version__, "model": plan.model_name, "fingerprint": plan.fingerprint,
         "mesh": list(plan.mesh.shape), "training": plan.training, "device": plan.device,
         "predicted": {"compute_s": plan.compute_s, "comm_s": plan.comm_s, "param_bytes": plan.param_bytes,
-                      "activation_bytes": plan.activation_bytes, "memory_bytes": plan.memory_bytes},
+                      "activation_bytes": plan.activation_bytes, "state_bytes": plan.state_bytes,
+                      "memory_bytes": plan.memory_bytes},
         "solver": vars(plan.solver).copy() if hasattr(plan.solver, "__dict__") else _fields(plan.solver),
         "unruled_ops": list(plan.unruled_ops),
         "nodes": [{"name": n.name, "op": n.op, "module": n.module, "group": n.group,
@@ -115,7 +116,8 @@ def plan_from_dict(d: dict, source: str = "<dict>") -> Plan:
         p = d["predicted"]
         return Plan(Mesh(tuple(d["mesh"])), d["model"], d["fingerprint"], bool(d["training"]), d["device"], nodes,
                     edges, float(p["compute_s"]), float(p["comm_s"]), int(p["param_bytes"]),
-                    int(p["activation_bytes"]), SolverReport(**d["solver"]), tuple(d.get("unruled_ops", ())))
+                    int(p["activation_bytes"]), SolverReport(**d["solver"]), tuple(d.get("unruled_ops", ())),
+                    int(p.get("state_bytes", 0)))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. "
                             "Re-create it with plan.to_json(path)") from e

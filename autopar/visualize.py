@@ -126,11 +126,9 @@ def graph_figure(plan: Plan, max_nodes: int = 400):
 
 def memory_breakdown(plan: Plan) -> dict[str, int]:
     """Per-rank bytes: parameters, gradients and AdamW state (training), activations."""
-    params = plan.param_bytes
-    out = {"parameters": params}
-    if plan.training:
-        out["gradients"] = params
-        out["optimizer (AdamW)"] = 2 * params
+    out = {"parameters": plan.param_bytes}
+    if plan.state_bytes:
+        out["gradients + optimizer state"] = plan.state_bytes
     out["activations"] = plan.activation_bytes
     return out
 

@@ -11,10 +11,12 @@ The model (Alpa's intra-op formulation, with followers and spec classes):
                   x[e,o,r] >= 0 with
                   sum_r x[e,o,r] = sum_{i in o} s[gu,i]               for every o
                   sum_o x[e,o,r] = sum_{j in r} s[gv,j]               for every r
+    memory        sum_g sum_i m[g,i] s[g,i] <= budget                 (Options.memory_budget_bytes)
     objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r]
 
 c[g,i] is the compute of every member under leader choice i plus the reshard cost of
-edges inside the group; R is the reshard cost (forward steps, and in training their
+edges inside the group; m[g,i] the members' bytes per rank (cost_models/memory.py);
+R is the reshard cost (forward steps, and in training their
 conjugates and gradient syncs) from class o to class r. An edge with one class on a
 side needs no x: its cost is a plain term on the other side's s. Unreachable pairs
 (e.g. S -> P) get no x, which forbids them.
@@ -36,12 +38,12 @@ from typing import Optional
 
 import pulp
 
-from autopar.errors import SolverError
+from autopar.errors import MemoryBudgetError, SolverError
 from autopar.options import Options
 from autopar.placement import R, Spec
 from autopar.plan import Alternative, EdgePlan, NodeChoice, Plan, SolverReport
 from autopar.resharding import Step, Unreachable, reshard_steps, split_axes
-from autopar.cost_models.compute import VIEWS
+from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 from autopar.passes.rules import Strategy
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
@@ -93,14 +95,20 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
     return out
 
 
+def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
+    return {n.name: [node_bytes(n.op, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
+                                costs.training, options.optimizer_state_bytes) for s in n.strategies]
+            for n in graph.nodes}
+
+
 # ---- 1. groups ---------------------------------------------------------------------
 
 def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, ncost: dict[str, list[float]],
-                 follow: bool) -> dict[str, Member]:
+                 follow: bool, store_as_read: bool = True) -> dict[str, Member]:
     groups: dict[str, Member] = {}
     for n in graph.nodes:
         groups[n.name] = _forward_member(n, graph, groups, follow)
-    if follow:
+    if follow and store_as_read:
         uses: dict[str, list[tuple[str, int]]] = {}
         for n in graph.nodes:
             for pos, (u, _) in enumerate(n.inputs):
@@ -174,14 +182,17 @@ class _Ilp:
 
 
 def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePricer,
-              ncost: dict[str, list[float]]) -> _Ilp:
+              ncost: dict[str, list[float]], memory: dict[str, list[int]], budget: Optional[int],
+              minimise_memory: bool = False) -> _Ilp:
     leaders = [n for n in graph.nodes if groups[n.name].leader == n.name]
     gcost = {L.name: [0.0] * len(L.strategies) for L in leaders}
-    # group cost: members' compute
+    gmem = {L.name: [0] * len(L.strategies) for L in leaders}
+    # group cost: members' compute; group memory: members' bytes
     for n in graph.nodes:
         m = groups[n.name]
         for i, j in enumerate(m.index_map):
             gcost[m.leader][i] += INF if j < 0 else ncost[n.name][j]
+            gmem[m.leader][i] += 0 if j < 0 else memory[n.name][j]
     inter: list[tuple[PlannedNode, int, str, int]] = []
     for v in graph.nodes:
         mv = groups[v.name]
@@ -206,7 +217,7 @@ def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePric
                 vars_.append(None)
                 continue
             var = _variable(prob, f"s_{L.name}_{i}", cat="Binary")
-            objective.append(c * US * var)
+            objective.append((gmem[L.name][i] / 2**20 if minimise_memory else c * US) * var)
             vars_.append(var)
             n_vars += 1
         if not any(v is not None for v in vars_):
@@ -214,9 +225,14 @@ def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePric
                               "every choice needs a reshard autopar cannot do")
         prob += pulp.lpSum(v for v in vars_ if v is not None) == 1, f"onehot_{L.name}"
         choice[L.name] = vars_
+    # memory: sum_g sum_i mem[g,i] s[g,i] <= budget
+    if budget is not None and not minimise_memory:
+        prob += pulp.lpSum(gmem[g][i] * v for g, vars_ in choice.items() for i, v in enumerate(vars_)
+                           if v is not None) <= budget, "memory_budget"
     # edges between groups
     for e, (v, pos, u, k) in enumerate(inter):
-        n_vars += _edge_terms(prob, objective, e, graph, groups, choice, pricer, v, pos, u, k)
+        n_vars += _edge_terms(prob, [] if minimise_memory else objective, e, graph, groups, choice, pricer,
+                              v, pos, u, k)
     prob += pulp.lpSum(objective)
     return _Ilp(prob, choice, n_vars)
 
@@ -299,14 +315,38 @@ def _solver(options: Options):
 def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     pricer = EdgePricer(costs)
     ncost = node_costs(graph, costs)
-    groups = build_groups(graph, pricer, ncost, options.follow)
-    ilp = build_ilp(graph, groups, pricer, ncost)
+    memory = node_memory(graph, costs, options)
+    budget = options.memory_budget_bytes
+    # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
+    # does not simply take the layout its consumer reads
+    groups = build_groups(graph, pricer, ncost, options.follow, store_as_read=budget is None)
+    ilp = build_ilp(graph, groups, pricer, ncost, memory, budget)
     name, solver = _solver(options)
     t0 = time.perf_counter()
     with _quiet_stdout():
         ilp.prob.solve(solver)
     elapsed = time.perf_counter() - t0
     status = pulp.LpStatus[ilp.prob.status]
+    if status == "Infeasible" and budget is not None:
+        raise MemoryBudgetError(budget, _smallest_footprint(graph, groups, pricer, ncost, memory, options))
+    picks = _picks(ilp, name, status, elapsed, options)
+    if status != "Optimal":
+        status = f"{status} (time limit {options.time_limit_s} s)"
+    objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
+    report = SolverReport(name, status, objective_s, _gap(ilp.prob), elapsed, ilp.n_vars,
+                          ilp.prob.numConstraints(), len(ilp.choice))
+    return read_plan(graph, groups, picks, pricer, costs, report, memory)
+
+
+def _smallest_footprint(graph, groups, pricer, ncost, memory, options: Options) -> int:
+    ilp = build_ilp(graph, groups, pricer, ncost, memory, None, minimise_memory=True)
+    with _quiet_stdout():
+        ilp.prob.solve(_solver(options)[1])
+    picks = _picks(ilp, "memory", pulp.LpStatus[ilp.prob.status], 0.0, options)
+    return sum(memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]] for n in graph.nodes)
+
+
+def _picks(ilp: _Ilp, name: str, status: str, elapsed: float, options: Options) -> dict[str, int]:
     picks = {}
     for leader, vars_ in ilp.choice.items():
         vals = [(v.value() or 0.0) if v is not None else 0.0 for v in vars_]
@@ -315,12 +355,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
             raise SolverError(f"the {name} solver returned {status} without a choice for node {leader} "
                               f"after {elapsed:.1f} s; raise Options.time_limit_s or set Options.follow=True")
         picks[leader] = best
-    if status != "Optimal":
-        status = f"{status} (time limit {options.time_limit_s} s)"
-    objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
-    report = SolverReport(name, status, objective_s, _gap(ilp.prob), elapsed, ilp.n_vars,
-                          ilp.prob.numConstraints(), len(ilp.choice))
-    return read_plan(graph, groups, picks, pricer, costs, report)
+    return picks
 
 
 @contextlib.contextmanager
@@ -360,14 +395,14 @@ def _alternative(n: PlannedNode, alt: Strategy, chosen: dict[str, Strategy],
 
 
 def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
-              costs: CostModel, report: SolverReport) -> Plan:
+              costs: CostModel, report: SolverReport, memory: dict[str, list[int]]) -> Plan:
     chosen: dict[str, Strategy] = {}
     for n in graph.nodes:
         m = groups[n.name]
         chosen[n.name] = n.strategies[m.index_map[picks[m.leader]]]
     nodes, edges = [], []
     compute_total = comm_total = 0.0
-    param_bytes = act_bytes = 0
+    param_bytes = act_bytes = state_bytes = 0
     mesh = graph.mesh.shape
     consumers: dict[str, list[tuple[PlannedNode, int, int]]] = {}
     for n in graph.nodes:
@@ -380,10 +415,12 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
         options = tuple(_alternative(n, alt, chosen, consumers, pricer, costs) for alt in n.strategies)
         nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
                                 groups[n.name].leader))
+        nbytes = memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
         if n.op.startswith("placeholder:") and n.op != "placeholder:user_input":
             param_bytes += s.outputs[0].local_nbytes(mesh)
-        elif n.call is not None and n.call.target not in VIEWS:
-            act_bytes += sum(o.local_nbytes(mesh) for o in s.outputs)
+            state_bytes += nbytes - s.outputs[0].local_nbytes(mesh)
+        else:
+            act_bytes += nbytes
         for pos, (u, k) in enumerate(n.inputs):
             steps = pricer.steps(chosen[u].outputs[k], s, pos)
             assert steps is not None, f"solver picked an unreachable reshard {u} -> {n.name}"
@@ -392,4 +429,4 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
     return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
                 tuple(nodes), tuple(edges), compute_total, comm_total, param_bytes, act_bytes, report,
-                graph.unruled_ops)
+                graph.unruled_ops, state_bytes)

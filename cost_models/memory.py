@@ -1,0 +1,32 @@
+"""Per-rank memory of a node under a strategy, in bytes.
+
+    parameter    local shard; in training also its gradient and the optimiser state
+                 (AdamW: two fp32 values per element, Options.optimizer_state_bytes)
+    buffer       local shard
+    user input   local block
+    op           its local outputs (views excepted); in training these are the saved
+                 activations, in inference an upper bound of what is live at once
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any, Optional
+
+from autopar.placement import Spec
+from autopar.cost_models.compute import VIEWS
+
+
+def node_bytes(op: str, target: Optional[Any], outputs: tuple[Spec, ...], mesh_shape: tuple[int, ...],
+               training: bool, optimizer_state_bytes: int) -> int:
+    if op == "placeholder:parameter":
+        spec = outputs[0]
+        local = spec.local_nbytes(mesh_shape)
+        if training and spec.meta.dtype.is_floating_point:
+            local += local + prod(spec.local_shape(mesh_shape)) * optimizer_state_bytes
+        return local
+    if op.startswith("placeholder:"):
+        return outputs[0].local_nbytes(mesh_shape)
+    if target is None or target in VIEWS:
+        return 0
+    return sum(s.local_nbytes(mesh_shape) for s in outputs)
