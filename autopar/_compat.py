@@ -33,3 +33,15 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Any)
     import torch.distributed as dist
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(output, input, group=group)
+
+
+def tensor_leaf_paths(tree: Any) -> tuple[str, ...]:
+    """'args[0]', "kwargs['input_ids']" for each tensor leaf of (args, kwargs)."""
+    flat, _ = _pytree.tree_flatten_with_path(tree)
+    out = []
+    for path, leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            text = _pytree.keystr(path)  # e.g. "[0][0]" or "[1]['input_ids']"
+            head, rest = ("args", text[3:]) if text.startswith("[0]") else ("kwargs", text[3:])
+            out.append(head + rest)
+    return tuple(out)

@@ -64,27 +64,47 @@ class ParallelModule(nn.Module):
         self._comms = self._axis_comms(mesh)
         self.__dict__["_model"] = model  # not a submodule: its full parameters are not ours
         self.shards = nn.Module()
+        self._register_empty_shards(model)
         self._compiled: dict[tuple, _Compiled] = {}
         self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None
         self._last: Optional[_Compiled] = None
         self._given_plan, self._plan_source = _load_given(plan)
+        self._state_specs: dict[str, Any] = {}  # state-dict name -> Spec of its shard
+
+    def _register_empty_shards(self, model: nn.Module) -> None:
+        """Every parameter exists from the start (empty until the first plan fills it),
+        so an optimiser can be built before the first call; tied names share one."""
+        made: dict[int, Any] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+            _set_nested(self.shards, name, made[id(p)], parameter=True)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            if id(b) not in made:
+                made[id(b)] = torch.empty(0, dtype=b.dtype, device=b.device)
+            _set_nested(self.shards, name, made[id(b)], parameter=False)
 
     def _axis_comms(self, mesh: Mesh) -> tuple[AxisComm, ...]:
-        comms = []
+        """One process group per mesh axis (with the collective timeout), wrapped in a
+        torch DeviceMesh (`self.device_mesh`) for DTensor and checkpoint interop."""
+        comms, groups = [], []
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         for axis, size in enumerate(mesh.shape):
             group = None
-            if size > 1:
-                # every rank must create every group, in the same order
-                for first in range(mesh.size):
-                    ranks = mesh.axis_ranks(first, axis)
-                    if ranks[0] != first:
-                        continue
-                    g = dist.new_group(list(ranks), backend=backend,
-                                       timeout=_timedelta(self.options.collective_timeout_s))
-                    if self.rank in ranks:
-                        group = g
+            # every rank must create every group, in the same order
+            for first in range(mesh.size):
+                ranks = mesh.axis_ranks(first, axis)
+                if ranks[0] != first:
+                    continue
+                g = dist.new_group(list(ranks), backend=backend, timeout=_timedelta(self.options.collective_timeout_s))
+                if self.rank in ranks:
+                    group = g
+            groups.append(group)
             comms.append(AxisComm(group, size, self.coords[axis]))
+        from torch.distributed.device_mesh import DeviceMesh
+        self.device_mesh = DeviceMesh.from_group(groups, self.device.type,
+                                                 mesh=torch.arange(mesh.size).view(mesh.shape),
+                                                 mesh_dim_names=tuple(f"axis{a}" for a in range(mesh.ndim)))
         return tuple(comms)
 
     # ---- planning -------------------------------------------------------------
@@ -205,26 +225,75 @@ class ParallelModule(nn.Module):
             spec = plan.node(owner.name).outputs[0]
             full = named[owner.target]
             local = shard(full.detach(), spec, self.mesh.shape, self.coords)
-            if owner.kind == "parameter":
-                local = nn.Parameter(local, requires_grad=full.requires_grad)
+            holder = _get_nested(self.shards, owner.target)  # registered empty at compile time
+            with torch.no_grad():
+                holder.data = local
             for gi in group:
                 pinned[gi.target] = spec.placements
-                _set_nested(self.shards, gi.target, local, parameter=owner.kind == "parameter")
+                self._state_specs[gi.target] = spec
         self._pinned = pinned
 
     # ---- running ----------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, local_inputs: bool = False, **kwargs: Any) -> Any:
+        """Run one step. By default every rank passes the same full inputs; with
+        local_inputs=True each rank passes only its own block of every input (as
+        `input_specs` / `shard_inputs` describe), e.g. from a data loader that reads just
+        that part. Local inputs need an existing plan for their global shapes."""
         tensors, spec, consts = flatten_inputs(args, kwargs)
         for i, t in enumerate(tensors):
             if t.device != self.device:
                 raise InputMismatchError(f"input tensor #{i} (shape {tuple(t.shape)}) is on {t.device} but the model "
                                          f"is on {self.device}; move inputs to the model's device")
-        compiled = self._get(args, kwargs, _signature(tensors, spec, consts))
+        if local_inputs:
+            compiled = self._compiled_for_local(tensors, spec, consts)
+            local = self._local_inputs(compiled, tensors, already_local=True)
+        else:
+            compiled = self._get(args, kwargs, _signature(tensors, spec, consts))
+            local = self._local_inputs(compiled, tensors)
         self._last = compiled
-        outputs = compiled.program.gm(*self._local_inputs(compiled, tensors))
+        outputs = compiled.program.gm(*local)
         return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
 
-    def _local_inputs(self, compiled: _Compiled, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _compiled_for_local(self, tensors: list[torch.Tensor], spec: Any, consts: tuple) -> _Compiled:
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        for key, compiled in self._compiled.items():
+            if key[:2] != (str(spec), repr(consts)):
+                continue
+            specs = self._user_specs(compiled)
+            if tuple((s.local_shape(self.mesh.shape), s.meta.dtype) for s in specs) == shapes:
+                return compiled
+        raise InputMismatchError(
+            f"no plan takes local inputs of shapes {[s for s, _ in shapes]} on rank {self.rank}: call the module once "
+            "with full inputs (or compile with example inputs) so the global shapes are known, then pass each "
+            "rank's block as pm.shard_inputs(...) gives it")
+
+    def _user_specs(self, compiled: _Compiled) -> list:
+        pairs = [(gi.target, s) for gi, s in zip(compiled.program.inputs, compiled.program.specs)
+                 if gi.kind == "user_input"]
+        return [s for _, s in sorted(pairs, key=lambda p: p[0])]
+
+    @property
+    def input_specs(self) -> dict[str, Any]:
+        """How each tensor input of the current plan is split: {'kwargs['input_ids']': Spec}."""
+        if self._last is None and not self._compiled:
+            raise RuntimeError("no plan yet: call the module once or compile with example inputs")
+        compiled = self._last or next(iter(self._compiled.values()))
+        paths = compiled.traced.input_paths
+        return {paths[i]: s for i, s in enumerate(self._user_specs(compiled))}
+
+    def shard_inputs(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """This rank's block of full inputs, in the same structure: what
+        pm(..., local_inputs=True) expects."""
+        tensors, spec, consts = flatten_inputs(args, kwargs)
+        compiled = self._get(args, kwargs, _signature(tensors, spec, consts))
+        specs = self._user_specs(compiled)
+        leaves, tree = _compat.tree_flatten((tuple(args), dict(kwargs)))
+        it = iter(specs)
+        out = [shard(x, next(it), self.mesh.shape, self.coords) if isinstance(x, torch.Tensor) else x for x in leaves]
+        return _compat.tree_unflatten(out, tree)
+
+    def _local_inputs(self, compiled: _Compiled, tensors: list[torch.Tensor],
+                      already_local: bool = False) -> list[torch.Tensor]:
         """This rank's block of every program input, in placeholder order."""
         program = compiled.program
         local = []
@@ -235,8 +304,42 @@ class ParallelModule(nn.Module):
                 local.append(shard(compiled.traced.constants[gi.target], s, self.mesh.shape, self.coords))
             else:
                 t = tensors[gi.target]
-                local.append(shard(t, s, self.mesh.shape, self.coords) if not s.is_replicated() else t)
+                local.append(t if already_local or s.is_replicated() else shard(t, s, self.mesh.shape, self.coords))
         return local
+
+
+    # ---- training utilities (autopar/state.py) ---------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all shards by their global norm, as
+        torch.nn.utils.clip_grad_norm_ does on the unsharded model; returns that norm."""
+        from autopar import state
+        return state.clip_grad_norm_(self, max_norm, norm_type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer gathered whole (on every rank), under the original
+        model's state-dict names: loadable with model.load_state_dict."""
+        from autopar import state
+        return state.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's block of each full tensor into its shard."""
+        from autopar import state
+        state.load_full_state_dict(self, state_dict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Shards as DTensors on `self.device_mesh`, for torch.distributed.checkpoint."""
+        from autopar import state
+        return state.sharded_state_dict(self)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded save through torch.distributed.checkpoint (each rank writes its shards)."""
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self.sharded_state_dict(), checkpoint_id=path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint saved by save_checkpoint on any mesh or plan of this model."""
+        from autopar import state
+        state.load_checkpoint(self, path)
 
 
 def _load_given(plan: "Plan | str | None") -> tuple[Optional[Plan], str]:

@@ -48,6 +48,7 @@ class TracedGraph:
     fingerprint: str
     model_name: str
     training: bool
+    input_paths: tuple[str, ...] = ()  # readable path of each tensor leaf: "kwargs['input_ids']"
 
 
 class _TensorLeafCall(nn.Module):
@@ -109,6 +110,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         fingerprint=fingerprint(ep.graph_module),
         model_name=name,
         training=model.training,
+        input_paths=_compat.tensor_leaf_paths((tuple(args), dict(kwargs))),
     )
 
 

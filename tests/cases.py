@@ -197,3 +197,79 @@ def verify_plans(rank: int, world: int, mesh: tuple) -> dict:
     corrupted = dataclasses.replace(plan, edges=tuple(broken_edge if e is victim else e for e in plan.edges))
     bad = autopar.verify(m, (x,), mesh=mesh, plan=corrupted, layers=True)
     return {"good": good, "bad": bad, "victim": (victim.producer, victim.consumer)}
+
+
+def train_steps(rank: int, world: int, model: str, mesh: tuple, steps: int = 5, device: str = "cheap") -> dict:
+    """AdamW steps on the mesh and on one device from the same start: per-step losses and
+    the gathered parameters after the last step."""
+    import copy
+    m = models.build(model).train()
+    ref = copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, mesh=mesh, device=CHEAP_COMM if device == "cheap" else device)
+        # eps=1e-6: GPT-2's key bias has an exactly-zero true gradient (softmax ignores a
+        # shift shared by all keys), so both runs see only rounding noise (~1e-10) there;
+        # with the default eps=1e-8 AdamW would blow that noise up to +-lr steps that differ
+        # between any two summation orders, parallel or not
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)  # the issue's own lr
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+        losses, ref_losses = [], []
+        for step in range(steps):
+            args, kwargs = models.inputs(model, batch=4, seed=10 + step)
+            loss = _loss(pm(*args, **kwargs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = _loss(ref(*args, **kwargs))
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(loss.detach())
+            ref_losses.append(ref_loss.detach())
+    full = pm.full_state_dict()
+    ref_state = ref.state_dict()
+    return {"losses": torch.stack(losses), "ref_losses": torch.stack(ref_losses),
+            "params": {k: (full[k], ref_state[k]) for k in ref_state}}
+
+
+def training_utilities(rank: int, world: int, tmp: str) -> dict:
+    """clip_grad_norm_, full state dict round trip, DCP save on (2, 4) and load on (1, 8),
+    local inputs and input_specs."""
+    import copy
+    m = models.build("gpt2").train()
+    ref = copy.deepcopy(m)
+    args, kwargs = models.inputs("gpt2", batch=4)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, args, kwargs, mesh=(2, 4), device=CHEAP_COMM)
+        # 1. clipping equals torch's on the single model
+        pm(*args, **kwargs).loss.backward()
+        ref(*args, **kwargs).loss.backward()
+        out["norm"] = pm.clip_grad_norm_(0.05)
+        out["ref_norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        from autopar.placement import local_chunk
+        ref_grads = dict(ref.named_parameters())
+        out["clipped"] = [(pm.shards.get_parameter(k).grad, local_chunk(ref_grads[k].grad, s, (2, 4), pm.coords))
+                          for k, s in pm._state_specs.items() if k in ref_grads and
+                          pm.shards.get_parameter(k).grad is not None]
+        # 2. full state dict loads into the original model class
+        fresh = models.build("gpt2", seed=123)
+        fresh.load_state_dict(pm.full_state_dict())
+        with torch.no_grad():
+            out["roundtrip"] = (fresh(*args, **kwargs).logits, m(*args, **kwargs).logits)
+            pm.load_full_state_dict(models.build("gpt2", seed=5).state_dict())
+            out["loaded"] = (pm(*args, **kwargs).logits, models.build("gpt2", seed=5)(*args, **kwargs).logits)
+            pm.load_full_state_dict(m.state_dict())
+            # 3. sharded checkpoint: save on (2, 4), load into the same model compiled for (1, 8)
+            before = pm(*args, **kwargs).logits
+            pm.save_checkpoint(tmp)
+            other = autopar.compile(models.build("gpt2", seed=99), args, kwargs, mesh=(1, 8), device=CHEAP_COMM)
+            other.load_checkpoint(tmp)
+            out["dcp"] = (other(*args, **kwargs).logits, before)
+            # 4. local inputs: each rank passes only its block
+            local_args, local_kwargs = pm.shard_inputs(*args, **kwargs)
+            out["local"] = (pm(*local_args, local_inputs=True, **local_kwargs).logits, before)
+            out["input_specs"] = {k: str(v) for k, v in pm.input_specs.items()}
+    return out

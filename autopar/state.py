@@ -1,0 +1,130 @@
+"""Parameters and gradients across shards: global gradient-norm clipping, full state
+dicts, and sharded checkpoints through torch.distributed.checkpoint.
+
+A shard's Spec says which mesh axes split it: its values are distinct across those
+axes and identical across the others, so sums over the whole tensor are reduced over
+the splitting axes only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.collectives import _all_gather, _all_reduce
+from autopar.placement import Partial, Shard, Spec, local_chunk
+
+if TYPE_CHECKING:
+    from autopar.runtime import ParallelModule
+
+
+def _split_axes(spec: Spec) -> tuple[int, ...]:
+    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard))
+
+
+def _unique_shards(pm: "ParallelModule"):
+    """(name, tensor, spec) once per shard (tied names share one shard)."""
+    seen = set()
+    for name, spec in pm._state_specs.items():
+        t = _get(pm, name)
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        yield name, t, spec
+
+
+def _get(pm: "ParallelModule", dotted: str) -> torch.Tensor:
+    obj: Any = pm.shards
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@torch.no_grad()
+def clip_grad_norm_(pm: "ParallelModule", max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    norm_type = float(norm_type)
+    by_axes: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for _, t, spec in _unique_shards(pm):
+        if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+            by_axes.setdefault(_split_axes(spec), []).append(t.grad)
+    inf = norm_type == float("inf")
+    total = torch.zeros((), dtype=torch.float64)
+    for axes, grads in by_axes.items():
+        if inf:
+            part = torch.stack([g.detach().abs().max().double() for g in grads]).max()
+        else:
+            part = sum(g.detach().double().abs().pow(norm_type).sum() for g in grads)
+        for a in axes:
+            part = _all_reduce(part.reshape(1), pm._comms[a], "max" if inf else "sum")[0]
+        total = torch.maximum(total, part) if inf else total + part
+    norm = total if inf else total.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grads in by_axes.values():
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return norm.float()
+
+
+def gather_full(local: torch.Tensor, spec: Spec, pm: "ParallelModule") -> torch.Tensor:
+    """The whole tensor from this rank's block (inner mesh axes first)."""
+    out = local
+    for axis in reversed(range(len(spec.placements))):
+        p = spec.placements[axis]
+        if isinstance(p, Shard):
+            out = _all_gather(out, p.dim, pm._comms[axis])
+        elif isinstance(p, Partial):
+            out = _all_reduce(out, pm._comms[axis], p.reduce)
+    return out
+
+
+@torch.no_grad()
+def full_state_dict(pm: "ParallelModule") -> dict[str, torch.Tensor]:
+    out = {}
+    for name in pm._model.state_dict():
+        if name in pm._state_specs:
+            out[name] = gather_full(_get(pm, name).detach(), pm._state_specs[name], pm).clone()
+        else:  # state the traced graph never read: unchanged from the original model
+            out[name] = pm._model.state_dict()[name].detach().clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(pm: "ParallelModule", state_dict: dict[str, torch.Tensor]) -> None:
+    missing = [n for n in pm._state_specs if n not in state_dict]
+    if missing:
+        raise KeyError(f"state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}; it must hold every "
+                       "parameter and buffer of the compiled model (the keys of model.state_dict())")
+    for name, t, spec in _unique_shards(pm):
+        full = state_dict[name]
+        if tuple(full.shape) != spec.meta.shape:
+            raise ValueError(f"state dict entry {name} has shape {tuple(full.shape)}, the model's is {spec.meta.shape}")
+        t.copy_(local_chunk(full.to(t.dtype), spec, pm.mesh.shape, pm.coords))
+
+
+def _dtensor_placements(spec: Spec) -> list:
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor import Shard as TS
+    return [TS(p.dim) if isinstance(p, Shard) else TR() for p in spec.placements]
+
+
+def sharded_state_dict(pm: "ParallelModule") -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+    out = {}
+    for name, spec in pm._state_specs.items():
+        t = _get(pm, name)
+        shape = torch.Size(spec.meta.shape)
+        stride = torch.empty(shape, device="meta").stride()
+        out[name] = DTensor.from_local(t.detach(), pm.device_mesh, _dtensor_placements(spec),
+                                       shape=shape, stride=stride, run_check=False)
+    return out
+
+
+@torch.no_grad()
+def load_checkpoint(pm: "ParallelModule", path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    target = sharded_state_dict(pm)
+    dcp.load(target, checkpoint_id=path)
+    for name, dt in target.items():
+        _get(pm, name).copy_(dt.to_local())
+    dist.barrier()
