@@ -142,6 +142,20 @@ def replicated(meta: TensorMeta, mesh_ndim: int) -> Spec:
     return Spec((R,) * mesh_ndim, meta)
 
 
+def block_index(spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[slice, ...]:
+    """Index of the block the rank at `coords` holds: full[block_index(...)] == its shard.
+    Lets a loader read just that slice of a tensor from a file."""
+    index = []
+    for d, size in enumerate(spec.meta.shape):
+        chunk, ways = 0, 1
+        for a in spec.shard_axes(d):  # outermost first
+            chunk = chunk * mesh_shape[a] + coords[a]
+            ways *= mesh_shape[a]
+        step = size // ways
+        index.append(slice(chunk * step, (chunk + 1) * step))
+    return tuple(index)
+
+
 def local_chunk(t: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:
     """The block of the full tensor `t` that the rank at `coords` holds under `spec`.
 

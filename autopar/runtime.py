@@ -41,7 +41,8 @@ def _signature(tensors: list[torch.Tensor], spec: Any, consts: tuple) -> tuple:
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | str | None" = None) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | str | None" = None,
+                 materialize_on: "torch.device | str | None" = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError(
@@ -57,6 +58,11 @@ class ParallelModule(nn.Module):
             raise MeshError(f"model {type(model).__name__} has parameters on several devices {sorted(map(str, devices))}; "
                             "move it to one device (model.to(device)) before compiling")
         self.device = next(iter(devices)) if devices else torch.device("cpu")
+        # a model on the meta device is planned without weights; each rank then reads only
+        # its own shards (load_safetensors, load_full_state_dict, load_checkpoint)
+        self.on_meta = self.device.type == "meta"
+        if self.on_meta:
+            self.device = torch.device(materialize_on or "cpu")
         self.mesh = mesh
         self.options = options
         self.rank = dist.get_rank()
@@ -70,6 +76,7 @@ class ParallelModule(nn.Module):
         self._last: Optional[_Compiled] = None
         self._given_plan, self._plan_source = _load_given(plan)
         self._state_specs: dict[str, Any] = {}  # state-dict name -> Spec of its shard
+        self._loaded = not self.on_meta  # a meta model's shards are filled by a load
 
     def _register_empty_shards(self, model: nn.Module) -> None:
         """Every parameter exists from the start (empty until the first plan fills it),
@@ -77,11 +84,12 @@ class ParallelModule(nn.Module):
         made: dict[int, Any] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+                made[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.device),
+                                           requires_grad=p.requires_grad)
             _set_nested(self.shards, name, made[id(p)], parameter=True)
         for name, b in model.named_buffers(remove_duplicate=False):
             if id(b) not in made:
-                made[id(b)] = torch.empty(0, dtype=b.dtype, device=b.device)
+                made[id(b)] = torch.empty(0, dtype=b.dtype, device=self.device)
             _set_nested(self.shards, name, made[id(b)], parameter=False)
 
     def _axis_comms(self, mesh: Mesh) -> tuple[AxisComm, ...]:
@@ -134,7 +142,7 @@ class ParallelModule(nn.Module):
         # check below, so no rank is left waiting in a collective
         traced, plan, problem = None, None, None
         try:
-            traced = trace(self._model, args, kwargs)
+            traced = trace(self._model, *_to_meta(args, kwargs)) if self.on_meta else trace(self._model, args, kwargs)
         except Exception as e:  # noqa: BLE001
             problem = e
         if self._given_plan is None:
@@ -145,7 +153,7 @@ class ParallelModule(nn.Module):
             except Exception as e:  # noqa: BLE001
                 problem = e
         self._check_plan_agreement(plan, problem)
-        program = emit(traced, plan, self.coords, self._comms)
+        program = emit(traced, plan, self.coords, self._comms, self.device)
         if self._pinned is None:
             self._materialise_state(traced, plan)
         compiled = _Compiled(traced, plan, program)
@@ -224,10 +232,10 @@ class ParallelModule(nn.Module):
             owner = next((gi for gi in group if gi.name in used), group[0])
             spec = plan.node(owner.name).outputs[0]
             full = named[owner.target]
-            local = shard(full.detach(), spec, self.mesh.shape, self.coords)
-            holder = _get_nested(self.shards, owner.target)  # registered empty at compile time
-            with torch.no_grad():
-                holder.data = local
+            if not self.on_meta:  # on meta the shard stays empty until a load fills it
+                holder = _get_nested(self.shards, owner.target)  # registered empty at compile time
+                with torch.no_grad():
+                    holder.data = shard(full.detach(), spec, self.mesh.shape, self.coords)
             for gi in group:
                 pinned[gi.target] = spec.placements
                 self._state_specs[gi.target] = spec
@@ -250,6 +258,9 @@ class ParallelModule(nn.Module):
         else:
             compiled = self._get(args, kwargs, _signature(tensors, spec, consts))
             local = self._local_inputs(compiled, tensors)
+        if self.on_meta and not self._loaded:
+            raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
+                               "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
         self._last = compiled
         outputs = compiled.program.gm(*local)
         return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
@@ -325,11 +336,19 @@ class ParallelModule(nn.Module):
         """Copy this rank's block of each full tensor into its shard."""
         from autopar import state
         state.load_full_state_dict(self, state_dict)
+        self._loaded = True
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Shards as DTensors on `self.device_mesh`, for torch.distributed.checkpoint."""
         from autopar import state
         return state.sharded_state_dict(self)
+
+    def load_safetensors(self, path: str) -> None:
+        """Read this rank's block of every tensor from a safetensors file, slice by slice:
+        the whole model is never in this rank's memory."""
+        from autopar import state
+        state.load_safetensors(self, path)
+        self._loaded = True
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded save through torch.distributed.checkpoint (each rank writes its shards)."""
@@ -340,6 +359,12 @@ class ParallelModule(nn.Module):
         """Load a checkpoint saved by save_checkpoint on any mesh or plan of this model."""
         from autopar import state
         state.load_checkpoint(self, path)
+        self._loaded = True
+
+
+def _to_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, tree = _compat.tree_flatten((tuple(args), dict(kwargs)))
+    return _compat.tree_unflatten([x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves], tree)
 
 
 def _load_given(plan: "Plan | str | None") -> tuple[Optional[Plan], str]:

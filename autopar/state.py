@@ -99,7 +99,26 @@ def load_full_state_dict(pm: "ParallelModule", state_dict: dict[str, torch.Tenso
         full = state_dict[name]
         if tuple(full.shape) != spec.meta.shape:
             raise ValueError(f"state dict entry {name} has shape {tuple(full.shape)}, the model's is {spec.meta.shape}")
-        t.copy_(local_chunk(full.to(t.dtype), spec, pm.mesh.shape, pm.coords))
+        t.data = local_chunk(full, spec, pm.mesh.shape, pm.coords).to(pm.device, t.dtype).clone()
+
+
+@torch.no_grad()
+def load_safetensors(pm: "ParallelModule", path: str) -> None:
+    from safetensors import safe_open
+    from autopar.placement import block_index
+    with safe_open(path, framework="pt", device="cpu") as f:
+        names = set(f.keys())
+        ties: dict[int, list[str]] = {}
+        for name in pm._state_specs:
+            ties.setdefault(id(_get(pm, name)), []).append(name)
+        for group in ties.values():
+            present = [n for n in group if n in names]
+            if not present:
+                raise KeyError(f"safetensors file {path} has no tensor {group[0]} (nor its tied names {group[1:]})")
+            spec = pm._state_specs[present[0]]
+            block = f.get_slice(present[0])[block_index(spec, pm.mesh.shape, pm.coords)]
+            holder = _get(pm, present[0])
+            holder.data = block.to(pm.device, holder.dtype).contiguous()
 
 
 def _dtensor_placements(spec: Spec) -> list:
@@ -113,6 +132,9 @@ def sharded_state_dict(pm: "ParallelModule") -> dict[str, Any]:
     out = {}
     for name, spec in pm._state_specs.items():
         t = _get(pm, name)
+        local_shape = spec.local_shape(pm.mesh.shape)
+        if tuple(t.shape) != local_shape:  # compiled on meta: give the loader real memory to fill
+            t.data = torch.empty(local_shape, dtype=t.dtype, device=pm.device)
         shape = torch.Size(spec.meta.shape)
         stride = torch.empty(shape, device="meta").stride()
         out[name] = DTensor.from_local(t.detach(), pm.device_mesh, _dtensor_placements(spec),

@@ -32,7 +32,10 @@ SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
 KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
-def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ...]) -> fx.GraphModule:
+def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ...],
+            device: Optional[torch.device] = None) -> fx.GraphModule:
+    """`device`: where this rank runs; ops that create tensors on the traced device
+    (arange(device=...)) create them there instead (a model traced on meta, or rank r on cuda:r)."""
     edges = {(e.consumer, e.position): e for e in plan.edges}
     choice = {n.name: n for n in plan.nodes}
     mesh_shape = plan.mesh.shape
@@ -65,6 +68,8 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
             args, kwargs = _map_tensor_args((node.args, node.kwargs), node.name, env, edges, resharded)
             if node.name in choice:
                 args = localize_args(node.target, tuple(args), choice[node.name].outputs, mesh_shape)
+            if device is not None and isinstance(kwargs.get("device"), torch.device):
+                kwargs = {**kwargs, "device": device}
             new = graph.create_node("call_function", node.target, tuple(args), dict(kwargs), name=node.name)
             _copy_meta(node, new, choice)
             env[node.name] = new

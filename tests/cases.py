@@ -273,3 +273,51 @@ def training_utilities(rank: int, world: int, tmp: str) -> dict:
             out["local"] = (pm(*local_args, local_inputs=True, **local_kwargs).logits, before)
             out["input_specs"] = {k: str(v) for k, v in pm.input_specs.items()}
     return out
+
+
+def meta_model_loads_its_shards(rank: int, world: int, path: str, widths: tuple) -> dict:
+    """A model built on the meta device compiles; each rank reads only its blocks from a
+    safetensors file. RssAnon (anonymous memory, not the file's page cache) is sampled
+    every millisecond while loading."""
+    import threading
+    import time
+    from tests.models import MLP
+
+    def rss_anon() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    with torch.device("meta"):
+        model = MLP(widths, bias=False).eval()
+    x = torch.randn(1, widths[0], generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(model, (x,), mesh=(1, world))
+    try:
+        pm(x)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    base = rss_anon()
+    peak = [base]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_anon())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        pm.load_safetensors(path)
+    finally:
+        stop.set()
+        sampler.join()
+    shard_bytes = sum(p.numel() * p.element_size() for p in pm.parameters())
+    with torch.no_grad():
+        y = pm(x)
+    return {"refused": refused, "peak_increase": peak[0] - base, "shard_bytes": shard_bytes, "out": y}

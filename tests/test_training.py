@@ -135,3 +135,26 @@ def test_2x4_gives_a_hybrid():
     weights = [n.outputs[0] for n in plan.nodes if n.op == "placeholder:parameter" and n.outputs[0].meta.ndim == 2]
     assert x.placements[0] == autopar.Shard(0)  # data parallel across axis 0
     assert all(isinstance(w.placements[1], autopar.Shard) for w in weights)  # tensor parallel on axis 1
+
+
+def test_meta_model_loads_only_its_shards(tmp_path):
+    from safetensors.torch import save_file
+    from tests.models import MLP
+    widths = (2048, 4096, 2048, 4096, 2048)  # 128 MiB of fp32 weights
+    torch.manual_seed(0)
+    full = MLP(widths, bias=False).eval()
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, path)
+    model_bytes = sum(v.numel() * 4 for v in full.state_dict().values())
+    x = torch.randn(1, widths[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = full(x)
+    del full
+    results = run_ranks(4, [(cases.meta_model_loads_its_shards, dict(path=path, widths=widths))])
+    for rank, (res,) in enumerate(results):
+        assert res["refused"] and "load_safetensors" in res["refused"]
+        assert res["shard_bytes"] <= model_bytes // 2, "the plan should shard these weights"
+        # peak anonymous memory while loading: about this rank's shards, far from the model
+        assert res["peak_increase"] < res["shard_bytes"] + 16 * 2**20, (rank, res["peak_increase"], res["shard_bytes"])
+        assert res["peak_increase"] < model_bytes // 2
+        torch.testing.assert_close(res["out"], expected)
