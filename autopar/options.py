@@ -10,6 +10,14 @@ from typing import Optional
 class Options:
     # device preset the analytic cost model plans for: "cpu", "a100", "h100", "h200"
     device: str = "cpu"
+    # where costs come from: "analytic" (roofline + alpha-beta presets), "profile"
+    # (measure on this machine at compile, cached in profile_path), or the path of a saved
+    # profile (plan offline for hardware you do not have)
+    cost_model: str = "analytic"
+    # the profile file "profile" reads and extends; None: ~/.cache/autopar/profile-<device>.json
+    profile_path: Optional[str] = None
+    # seconds the compute profiler may spend per plan before leaving the rest analytic
+    profile_budget_s: float = 120.0
     # plan for training (backward compute, conjugate collectives, gradient sync) or
     # inference; None lets model.training decide
     training: Optional[bool] = None

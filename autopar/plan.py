@@ -111,6 +111,7 @@ class Plan:
     solver: SolverReport
     unruled_ops: tuple[str, ...] = ()
     state_bytes: int = 0  # per rank: gradients and optimiser state (training plans)
+    cost_note: str = ""  # where the costs came from (preset, or profile and how many timings it lacked)
 
     @property
     def memory_bytes(self) -> int:
@@ -157,6 +158,8 @@ class Plan:
             f"{self.solver.variables} variables, {self.solver.constraints} constraints, "
             f"{self.solver.solve_time_s:.2f} s",
         ]
+        if self.cost_note:
+            lines.append(f"  costs: {self.cost_note}")
         if self.unruled_ops:
             lines.append(f"  replicated for want of a rule: {', '.join(self.unruled_ops)}")
         return "\n".join(lines)

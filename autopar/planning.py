@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from torch import nn
@@ -11,17 +12,35 @@ from autopar.options import Options
 from autopar.placement import Placement
 from autopar.plan import Plan
 from autopar.cost_models.model import CostModel
+from autopar.cost_models.profile import Profile
 from autopar.passes.solve import solve
 from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph, trace
 
 
 def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
-                pinned: Optional[dict[str, tuple[Placement, ...]]] = None) -> tuple[AnnotatedGraph, Plan]:
+                pinned: Optional[dict[str, tuple[Placement, ...]]] = None,
+                profile: Optional[Profile] = None) -> tuple[AnnotatedGraph, Plan]:
+    """`profile`: measured costs to use (compute timings and calibrated links); without
+    one, Options.cost_model names a saved profile or "analytic"."""
     training = traced.training if options.training is None else options.training
     graph = annotate(traced, mesh, pinned)
     costs = CostModel.analytic(options.device, mesh.shape, training)
-    return graph, solve(graph, costs, options)
+    if profile is None and options.cost_model not in ("analytic", "profile"):
+        profile = Profile.from_json(options.cost_model)
+    note = f"analytic preset {costs.device.name}"
+    if profile is not None:
+        profile.misses.clear()
+        costs = replace(costs, compute_table=profile.compute_s, measured_links=profile.links(mesh.shape),
+                        compute_scale=profile.cpu_contention)
+    plan = solve(graph, costs, options)
+    if profile is not None:
+        measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
+        note = (f"profile of {profile.device} (torch {profile.torch_version}): {len(profile.misses)} op timings "
+                f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
+                + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
+                   else ""))
+    return graph, replace(plan, cost_note=note)
 
 
 def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),
@@ -35,7 +54,6 @@ def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, m
 
 
 def _options(options: Optional[Options], overrides: dict) -> Options:
-    from dataclasses import replace
     base = options or Options()
     try:
         return replace(base, **overrides)

@@ -25,6 +25,9 @@ from autopar.options import Options
 from autopar.placement import Placement
 from autopar.plan import Plan
 from autopar.planning import plan_traced
+from autopar.cost_models.profile import (COLLECTIVES, Profile, calibrate, measure_contention, profile_compute,
+                                         samples_of)
+from autopar.passes.strategies import annotate
 from autopar.passes.emit import RankProgram, emit, shard
 from autopar.passes.trace import TracedGraph, flatten_inputs, trace
 
@@ -146,7 +149,8 @@ class ParallelModule(nn.Module):
         except Exception as e:  # noqa: BLE001
             problem = e
         if self._given_plan is None:
-            plan, problem = self._plan_on_rank0(traced, problem)
+            profile = self._profile() if problem is None else None
+            plan, problem = self._plan_on_rank0(traced, problem, profile)
         elif problem is None:
             try:
                 plan = self._given(traced)
@@ -192,14 +196,38 @@ class ParallelModule(nn.Module):
                 f"ranks run different plans: rank 0 has plan {digests[0]}, ranks {odd} have "
                 f"{sorted(set(digests[r] for r in odd))}; give every rank the same model, inputs and plan file")
 
-    def _plan_on_rank0(self, traced: Optional[TracedGraph], problem: Optional[Exception]
-                       ) -> tuple[Optional[Plan], Optional[Exception]]:
+    def _profile(self) -> Optional[Profile]:
+        """Options.cost_model == "profile": the cached profile of this machine, with the
+        mesh's links calibrated now if it lacks them (every rank takes part)."""
+        if self.options.cost_model != "profile":
+            return None
+        import os
+        path = self.options.profile_path or os.path.join(os.path.expanduser("~"), ".cache", "autopar",
+                                                         f"profile-{_compat.device_name(self.device)}.json")
+        profile = Profile.from_json(path) if os.path.exists(path) else Profile(_compat.device_name(self.device))
+        have = profile.links(self.mesh.shape)
+        if self.device.type == "cpu" and (not have or profile.cpu_contention == 1.0):
+            profile.cpu_contention = measure_contention(self.device)
+        if any((a, k) not in have for a, n in enumerate(self.mesh.shape) if n > 1 for k in COLLECTIVES):
+            profile.comm.update(calibrate(self._comms, self.device))
+        self._profile_path = path
+        return profile
+
+    def _plan_on_rank0(self, traced: Optional[TracedGraph], problem: Optional[Exception],
+                       profile: Optional[Profile] = None) -> tuple[Optional[Plan], Optional[Exception]]:
         """Rank 0 solves; the others receive its plan (one solve instead of one per
         rank, and every rank is sure to run the same plan). Returns (plan, problem)."""
         box: list[Any] = [problem]
         if self.rank == 0 and problem is None:
             try:
-                box[0] = plan_traced(traced, self.mesh, self.options, self._pinned)[1]
+                if profile is not None:  # measure what this graph's strategies would run, then keep it
+                    import os
+                    graph = annotate(traced, self.mesh, self._pinned)
+                    profile_compute(samples_of(graph, self.mesh.shape), profile, self.device,
+                                    self.options.profile_budget_s)
+                    os.makedirs(os.path.dirname(os.path.abspath(self._profile_path)), exist_ok=True)
+                    profile.to_json(self._profile_path)
+                box[0] = plan_traced(traced, self.mesh, self.options, self._pinned, profile)[1]
             except Exception as e:  # noqa: BLE001 - forwarded so the other ranks fail too, not hang
                 box[0] = e
         dist.broadcast_object_list(box, src=0)

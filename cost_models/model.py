@@ -39,6 +39,10 @@ class CostModel:
     training: bool = False
     links: tuple[Link, ...] = ()  # per mesh axis; defaults from the device preset
     compute_table: Optional[ComputeTable] = field(default=None, compare=False)
+    # measured links per (mesh axis, collective), from a calibration; take priority
+    measured_links: dict = field(default_factory=dict, compare=False, hash=False)
+    # compute slow-down at run time relative to the timings: CPU ranks sharing cores
+    compute_scale: float = 1.0
 
     @staticmethod
     def analytic(device: "str | DeviceSpec", mesh_shape: tuple[int, ...], training: bool = False) -> "CostModel":
@@ -62,6 +66,7 @@ class CostModel:
             fwd = self.compute_table(target, li, lo)
         if fwd is None:
             fwd = compute.compute_s(self.device, target, li, lo)
+        fwd *= self.compute_scale
         if self.training:
             fwd *= 1.0 + compute.backward_factor(target, lo)
         return Cost(compute_s=fwd)
@@ -69,7 +74,7 @@ class CostModel:
     # ---- communication -------------------------------------------------------
     def _collective_s(self, kind: str, step: Step) -> float:
         n = self.mesh_shape[step.axis]
-        link = self.link(step.axis)
+        link = self.measured_links.get((step.axis, kind)) or self.link(step.axis)
         local = step.before.local_nbytes(self.mesh_shape) if step.before is not None else 0
         if kind == "all_reduce":
             return comm.all_reduce_s(local, n, link)

@@ -321,3 +321,20 @@ def meta_model_loads_its_shards(rank: int, world: int, path: str, widths: tuple)
     with torch.no_grad():
         y = pm(x)
     return {"refused": refused, "peak_increase": peak[0] - base, "shard_bytes": shard_bytes, "out": y}
+
+
+def calibrate_links(rank: int, world: int, mesh: tuple, path: str) -> dict:
+    """cost_model="profile": links calibrated on this process group, op timings measured
+    for the plan, the profile cached in `path` and reused by the next compile."""
+    import os
+    m = models.build("mlp")
+    x = torch.randn(64, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, (x,), mesh=mesh, cost_model="profile", profile_path=path)
+        first = os.path.getmtime(path) if rank == 0 else None
+        with torch.no_grad():
+            out = (pm(x), m(x))
+    from autopar.cost_models.profile import Profile
+    return {"comm": Profile.from_json(path).comm if rank == 0 else None, "note": pm.plan.cost_note,
+            "out": out, "first_mtime": first}

@@ -1,0 +1,87 @@
+"""Profiling cost model: measured compute (cached), calibrated links, and costs that
+really drive the plan."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost_models.profile import Profile, fit_alpha_beta, profile_compute, samples_of
+from autopar.mesh import Mesh
+from autopar.passes.strategies import annotate
+from autopar.passes.trace import trace
+from tests import cases
+from tests.harness import run_ranks
+from tests.models import MLP
+
+
+def test_profiler_measures_matmul_and_elementwise_and_reuses_its_cache(tmp_path):
+    model = MLP((16, 64, 16)).eval()
+    graph = annotate(trace(model, (torch.randn(8, 16),)), Mesh((2, 2)))
+    samples = samples_of(graph, (2, 2))
+    profile = Profile("cpu")
+    measured = profile_compute(samples, profile, torch.device("cpu"), progress=False)
+    assert measured == len(samples) > 0
+    assert any(k.startswith("aten.linear.default|") for k in profile.compute)
+    assert any(k.startswith("aten.relu.default|") for k in profile.compute)
+    assert all(v > 0 for v in profile.compute.values())
+    path = str(tmp_path / "profile.json")
+    profile.to_json(path)
+    again = Profile.from_json(path)
+    assert again.compute == profile.compute
+    assert profile_compute(samples, again, torch.device("cpu"), progress=False) == 0  # nothing re-measured
+
+
+def test_fit_recovers_alpha_and_beta():
+    alpha, beta, n = 50e-6, 1e-9, 4
+    sizes = [4096, 65536, 1 << 20, 1 << 24]
+    seconds = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta for s in sizes]
+    fit = fit_alpha_beta(sizes, seconds, n, "all_reduce")
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6) and fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+    assert fit["residual"] < 1e-9
+
+
+def test_calibration_on_4_gloo_ranks(tmp_path):
+    path = str(tmp_path / "profile.json")
+    results = run_ranks(4, [(cases.calibrate_links, dict(mesh=(2, 2), path=path)),
+                            (cases.calibrate_links, dict(mesh=(2, 2), path=path))])
+    first, second = results[0]
+    comm = first["comm"]
+    assert set(comm) == {f"{a}:{k}" for a in (0, 1) for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                               "all_to_all")}
+    for key, fit in comm.items():
+        assert 0 < fit["alpha_s"] < 0.1 and 0 < fit["beta_s_per_byte"] < 1e-6, (key, fit)
+        assert fit["ranks"] == 2 and fit["residual"] < 1.0, (key, fit)
+    assert "links measured" in first["note"]
+    assert second["comm"] == comm  # the cached calibration is reused, not measured again
+    for res in (first, second):
+        torch.testing.assert_close(*res["out"])
+
+
+def _profile_with_links(alpha_s: float, beta: float) -> Profile:
+    comm = {f"{a}:{k}": {"alpha_s": alpha_s, "beta_s_per_byte": beta, "residual": 0.0, "ranks": 4}
+            for a in (0, 1) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    return Profile("synthetic", comm=comm)
+
+
+def test_the_profile_drives_the_plan(tmp_path):
+    model = MLP((256, 1024, 256, 1024, 256)).eval()
+    x = torch.randn(64, 256)
+    plans = {}
+    for name, (alpha, beta) in {"dear": (1.0, 1e-3), "cheap": (1e-12, 1e-15)}.items():
+        path = str(tmp_path / f"{name}.json")
+        p = _profile_with_links(alpha, beta)
+        p.device = "cpu"
+        p.to_json(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plans[name] = autopar.plan(model, (x,), mesh=(1, 4), cost_model=path)
+    dear, cheap = plans["dear"], plans["cheap"]
+    assert dear.collectives() == () and dear.comm_s == 0  # replicated: no communication at all
+    assert len(cheap.collectives()) > 0
+    sharded = lambda p: sum(1 for n in p.nodes if n.op.startswith("placeholder") and not n.outputs[0].is_replicated())  # noqa: E731
+    assert sharded(cheap) > sharded(dear)
+    assert "profile of cpu" in dear.cost_note and "missing" in dear.cost_note
