@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
+import sys
 import time
 import warnings
-from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from _launch import launch, mesh_size  # noqa: E402
 
 
 def build_model(layers: int, hidden: int, heads: int, vocab: int, seq: int):
@@ -62,15 +62,6 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         print("MATCH" if ok and errors[0] <= 1e-5 else "MISMATCH")
 
 
-def _spawned(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    try:
-        run(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mesh", default="2,4", help="mesh shape, e.g. 2,4 (its product is the number of ranks)")
@@ -82,19 +73,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     args = p.parse_args()
-    if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-        try:
-            run(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
-        return
-    world = 1
-    for s in args.mesh.split(","):
-        world *= int(s)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_spawned, args=(world, os.path.join(tmp, "store"), args), nprocs=world,
-                           start_method="spawn")
+    launch(run, args, mesh_size(args.mesh), timeout_s=300)
 
 
 if __name__ == "__main__":

@@ -15,16 +15,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import tempfile
+import sys
 import time
 import warnings
-from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from _launch import launch, mesh_size  # noqa: E402
 
 
 def corpus(vocab: int, seq: int, batch: int, steps: int, seed: int = 0) -> torch.Tensor:
@@ -76,15 +76,6 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         print(f"{args.steps} steps in {time.perf_counter() - t0:.1f} s (including the single-device reference)")
 
 
-def _spawned(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
-    try:
-        run(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mesh", default="2,4")
@@ -99,19 +90,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args()
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-        try:
-            run(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
-        return
-    world = 1
-    for s in args.mesh.split(","):
-        world *= int(s)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_spawned, args=(world, os.path.join(tmp, "store"), args), nprocs=world,
-                           start_method="spawn")
+    launch(run, args, mesh_size(args.mesh), timeout_s=600)
 
 
 if __name__ == "__main__":

@@ -24,25 +24,30 @@ from tests.harness import run_ranks
 
 def check_simulated(spec: dict) -> None:
     model, x = fuzz_models.build(spec)
-    ref = copy.deepcopy(model)
-    ref_out = ref(x)
-    (ref_out ** 2).mean().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = trace(model, (x,))
         plan = plan_traced(traced, Mesh(spec["mesh"]), Options(device=fuzz_models.device_for(spec)))[1]
-    state = dict(model.named_parameters())
-    outs, leaves = simulate(traced, plan, state, [x])
+    check_plan_simulated(model, x, traced, plan, context=str(spec))
+
+
+def check_plan_simulated(model, x, traced, plan, context: str = "") -> None:
+    """Every simulated rank's output and local parameter gradients (loss: mean of the
+    squared output) equal the single-device ones."""
+    ref = copy.deepcopy(model)
+    ref_out = ref(x)
+    (ref_out ** 2).mean().backward()
+    outs, leaves = simulate(traced, plan, dict(model.named_parameters()), [x])
     torch.autograd.backward([(o[0] ** 2).mean() for o in outs])
     ref_grads = dict(ref.named_parameters())
     for r, o in enumerate(outs):
-        torch.testing.assert_close(o[0], ref_out.detach(), msg=lambda m: f"rank {r} output, {spec}: {m}")
+        torch.testing.assert_close(o[0], ref_out.detach(), msg=lambda m: f"rank {r} output, {context}: {m}")
         coords = plan.mesh.coords(r)
         for gi in traced.inputs:
             if gi.kind == "parameter":
                 want = local_chunk(ref_grads[gi.target].grad, plan.node(gi.name).outputs[0], plan.mesh.shape, coords)
                 torch.testing.assert_close(leaves[r][gi.target].grad, want,
-                                           msg=lambda m: f"rank {r} grad {gi.target}, {spec}: {m}")
+                                           msg=lambda m: f"rank {r} grad {gi.target}, {context}: {m}")
 
 
 @seed(20261130)

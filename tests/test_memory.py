@@ -71,30 +71,17 @@ def test_impossible_budget_names_budget_and_smallest_footprint(data_parallel_cas
 def test_budget_plan_trains_correctly_in_simulation():
     """A tight-budget training plan (sharded storage, gathered at use) gives the same
     outputs and gradients as the single device on every simulated rank."""
-    import copy
     from autopar.mesh import Mesh
     from autopar.options import Options
-    from autopar.placement import local_chunk
     from autopar.planning import plan_traced
-    from autopar.passes.simulate_mesh import simulate
     from autopar.passes.trace import trace
+    from tests.test_fuzz import check_plan_simulated
     model = MLP((64, 256, 64)).train()
     x = torch.randn(256, 64)
-    ref = copy.deepcopy(model)
-    ref_out = ref(x)
-    (ref_out ** 2).mean().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = trace(model, (x,))
         free = plan_traced(traced, Mesh((4, 1)), Options())[1]
         plan = plan_traced(traced, Mesh((4, 1)), Options(memory_budget_bytes=free.memory_bytes * 3 // 4))[1]
     assert plan.memory_bytes <= free.memory_bytes * 3 // 4
-    outs, leaves = simulate(traced, plan, dict(model.named_parameters()), [x])
-    torch.autograd.backward([(o[0] ** 2).mean() for o in outs])
-    grads = dict(ref.named_parameters())
-    for r, o in enumerate(outs):
-        torch.testing.assert_close(o[0], ref_out.detach())
-        for gi in traced.inputs:
-            if gi.kind == "parameter":
-                want = local_chunk(grads[gi.target].grad, plan.node(gi.name).outputs[0], (4, 1), plan.mesh.coords(r))
-                torch.testing.assert_close(leaves[r][gi.target].grad, want)
+    check_plan_simulated(model, x, traced, plan)
