@@ -64,6 +64,7 @@ CASES = {
     "softmax": (aten._softmax.default, (rnd(4, 8), -1, False), {}),
     "log_softmax": (aten._log_softmax.default, (rnd(4, 8), 1, False), {}),
     "layer_norm": (aten.layer_norm.default, (rnd(2, 4, 8), [8], rnd(8), rnd(8), 1e-5), {}),
+    "rms_norm": (aten.rms_norm.default, (rnd(2, 4, 8), [8], rnd(8), 1e-6), {}),
     "sdpa": (aten.scaled_dot_product_attention.default, (rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 4, 4, 8)), {}),
     "sdpa_mask": (aten.scaled_dot_product_attention.default,
                   (rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 1, 4, 4) > -1), {}),

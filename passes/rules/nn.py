@@ -19,9 +19,9 @@ def softmax(call: OpCall) -> list[AxisRule]:
     return [AxisRule((R,), (R,))] + [AxisRule((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
 
 
-@register(aten.layer_norm.default)
+@register(aten.layer_norm.default, aten.rms_norm.default)
 def layer_norm(call: OpCall) -> list[AxisRule]:
-    # layer_norm(x, normalized_shape, weight?, bias?): statistics over the last dims
+    # layer_norm / rms_norm(x, normalized_shape, weight?, ...): statistics over the last dims
     x = call.inputs[0]
     k = len(call.args[1])
     extra = (R,) * (len(call.inputs) - 1)
