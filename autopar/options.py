@@ -14,7 +14,8 @@ class Options:
     # (measure on this machine at compile, cached in profile_path), or the path of a saved
     # profile (plan offline for hardware you do not have)
     cost_model: str = "analytic"
-    # the profile file "profile" reads and extends; None: ~/.cache/autopar/profile-<device>.json
+    # the profile file "profile" reads and extends; None:
+    # ~/.cache/autopar/profile-<device name>-torch<version>.json
     profile_path: Optional[str] = None
     # seconds the compute profiler may spend per plan before leaving the rest analytic
     profile_budget_s: float = 120.0

@@ -202,8 +202,8 @@ class ParallelModule(nn.Module):
         if self.options.cost_model != "profile":
             return None
         import os
-        path = self.options.profile_path or os.path.join(os.path.expanduser("~"), ".cache", "autopar",
-                                                         f"profile-{_compat.device_name(self.device)}.json")
+        name = f"profile-{_compat.device_name(self.device)}-torch{torch.__version__}.json".replace(" ", "_")
+        path = self.options.profile_path or os.path.join(os.path.expanduser("~"), ".cache", "autopar", name)
         profile = Profile.from_json(path) if os.path.exists(path) else Profile(_compat.device_name(self.device))
         have = profile.links(self.mesh.shape)
         if self.device.type == "cpu" and (not have or profile.cpu_contention == 1.0):

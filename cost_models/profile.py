@@ -235,7 +235,7 @@ def calibrate(comms, device: torch.device, sizes: Optional[list[int]] = None, re
     """Time each collective along each mesh axis (every rank must call this) and fit."""
     import torch.distributed as dist
     from autopar.collectives import _all_gather, _all_reduce, _all_to_all, _reduce_scatter
-    sizes = sizes or [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+    sizes = sizes or [4 << 10, 64 << 10, 1 << 20, 4 << 20, 32 << 20]
     out = {}
     for axis, comm in enumerate(comms):
         if comm.size == 1:
