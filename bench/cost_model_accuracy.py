@@ -21,8 +21,10 @@ from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from _timing import median_step_s  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -31,20 +33,6 @@ CONFIGS = [  # (layers, hidden, heads, vocab, batch, seq)
     (4, 128, 4, 2048, 8, 64),
     (4, 256, 8, 4096, 8, 128),
 ]
-
-
-def _median_step_s(fn, steps: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def run(rank: int, world: int, args, profile_path: str) -> None:
@@ -72,7 +60,7 @@ def run(rank: int, world: int, args, profile_path: str) -> None:
                 else:
                     pm(input_ids=ids, labels=ids).loss.backward()
 
-            measured = _median_step_s(step, args.steps)
+            measured = median_step_s(step, args.steps)
             plan = pm.plan
             rows.append((f"{layers}L/{hidden}h b{batch}x{seq}", mode, plan.compute_s, plan.comm_s, plan.total_s,
                          measured))

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from _timing import median_step_s  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from _launch import launch  # noqa: E402
@@ -62,20 +62,6 @@ class Model(nn.Module):
         return (x.float() ** 2).mean()
 
 
-def _median_step_s(step, steps: int) -> float:
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _trainer(module, opt, x):
     def step():
         loss = module(x)
@@ -103,21 +89,21 @@ def run(rank: int, world: int, args) -> None:
         plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "gate", "up")})
         plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("o", "down")})
     parallelize_module(tp, mesh, plan)
-    peer = _median_step_s(_trainer(tp, torch.optim.AdamW(tp.parameters(), lr=1e-4), x_small), args.steps)
+    peer = median_step_s(_trainer(tp, torch.optim.AdamW(tp.parameters(), lr=1e-4), x_small), args.steps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(copy.deepcopy(base).train(), (x_small,), mesh=(1, world))
-    ours = _median_step_s(_trainer(pm, torch.optim.AdamW(pm.parameters(), lr=1e-4), x_small), args.steps)
+    ours = median_step_s(_trainer(pm, torch.optim.AdamW(pm.parameters(), lr=1e-4), x_small), args.steps)
     results.append(("parallelize_module Megatron, (1,8), batch 1x64", peer, ours, pm.plan))
     # 2. data parallel, large batch, mesh (8, 1)
     x_large = torch.randn(64, 64, 512, generator=torch.Generator().manual_seed(2))
     shard = x_large.chunk(world)[rank]
     ddp = DistributedDataParallel(copy.deepcopy(base))
-    peer = _median_step_s(_trainer(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4), shard), args.steps)
+    peer = median_step_s(_trainer(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4), shard), args.steps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(copy.deepcopy(base).train(), (x_large,), mesh=(world, 1))
-    ours = _median_step_s(_trainer(pm, torch.optim.AdamW(pm.parameters(), lr=1e-4), x_large), args.steps)
+    ours = median_step_s(_trainer(pm, torch.optim.AdamW(pm.parameters(), lr=1e-4), x_large), args.steps)
     results.append(("DistributedDataParallel, (8,1), batch 64x64", peer, ours, pm.plan))
     if rank == 0:
         for name, peer, ours, plan in results:

@@ -48,8 +48,8 @@ class FuzzNet(nn.Module):
                 blocks.append(Attention(h, arg, causal=spec["causal"]))
             elif kind == "layernorm":
                 blocks.append(nn.LayerNorm(h))
-            else:
-                blocks.append(RMSNorm(h))
+            else:  # our decomposed RMSNorm (pow/mean/rsqrt) or torch's, which exports as aten.rms_norm
+                blocks.append(RMSNorm(h) if arg == 0 else nn.RMSNorm(h))
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(h, spec["out"], bias=spec["bias"])
 
@@ -65,7 +65,8 @@ def random_spec(rng: random.Random) -> dict:
     blocks = []
     for _ in range(rng.randint(1, 4)):
         kind = rng.choice(["mlp", "mlp", "attn", "layernorm", "rmsnorm"])
-        arg = rng.choice(WIDTHS) if kind == "mlp" else rng.choice(heads) if kind == "attn" else 0
+        arg = (rng.choice(WIDTHS) if kind == "mlp" else rng.choice(heads) if kind == "attn"
+               else rng.choice([0, 1]) if kind == "rmsnorm" else 0)
         blocks.append((kind, arg))
     return {"hidden": hidden, "blocks": blocks, "out": rng.choice(WIDTHS), "bias": rng.random() < 0.7,
             "residual": rng.random() < 0.6, "softmax": rng.random() < 0.3, "causal": rng.random() < 0.3,
