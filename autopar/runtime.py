@@ -24,6 +24,7 @@ from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.placement import Placement
 from autopar.plan import Plan
+from autopar.state import ShardedStateMethods
 from autopar.planning import plan_traced
 from autopar.cost_models.profile import (COLLECTIVES, Profile, calibrate, measure_contention, profile_compute,
                                          samples_of)
@@ -43,7 +44,7 @@ def _signature(tensors: list[torch.Tensor], spec: Any, consts: tuple) -> tuple:
     return (str(spec), repr(consts), tuple((tuple(t.shape), t.dtype) for t in tensors))
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(ShardedStateMethods, nn.Module):
     def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | str | None" = None,
                  materialize_on: "torch.device | str | None" = None) -> None:
         super().__init__()
@@ -345,49 +346,6 @@ class ParallelModule(nn.Module):
                 t = tensors[gi.target]
                 local.append(t if already_local or s.is_replicated() else shard(t, s, self.mesh.shape, self.coords))
         return local
-
-
-    # ---- training utilities (autopar/state.py) ---------------------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of all shards by their global norm, as
-        torch.nn.utils.clip_grad_norm_ does on the unsharded model; returns that norm."""
-        from autopar import state
-        return state.clip_grad_norm_(self, max_norm, norm_type)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer gathered whole (on every rank), under the original
-        model's state-dict names: loadable with model.load_state_dict."""
-        from autopar import state
-        return state.full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's block of each full tensor into its shard."""
-        from autopar import state
-        state.load_full_state_dict(self, state_dict)
-        self._loaded = True
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Shards as DTensors on `self.device_mesh`, for torch.distributed.checkpoint."""
-        from autopar import state
-        return state.sharded_state_dict(self)
-
-    def load_safetensors(self, path: str) -> None:
-        """Read this rank's block of every tensor from a safetensors file, slice by slice:
-        the whole model is never in this rank's memory."""
-        from autopar import state
-        state.load_safetensors(self, path)
-        self._loaded = True
-
-    def save_checkpoint(self, path: str) -> None:
-        """Sharded save through torch.distributed.checkpoint (each rank writes its shards)."""
-        import torch.distributed.checkpoint as dcp
-        dcp.save(self.sharded_state_dict(), checkpoint_id=path)
-
-    def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint saved by save_checkpoint on any mesh or plan of this model."""
-        from autopar import state
-        state.load_checkpoint(self, path)
-        self._loaded = True
 
 
 def _to_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

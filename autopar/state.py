@@ -150,3 +150,42 @@ def load_checkpoint(pm: "ParallelModule", path: str) -> None:
     for name, dt in target.items():
         _get(pm, name).copy_(dt.to_local())
     dist.barrier()
+
+
+class ShardedStateMethods:
+    """The training utilities of ParallelModule (kept here, beside their implementations)."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all shards by their global norm, as
+        torch.nn.utils.clip_grad_norm_ does on the unsharded model; returns that norm."""
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer gathered whole (on every rank), under the original
+        model's state-dict names: loadable with model.load_state_dict."""
+        return full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's block of each full tensor into its shard."""
+        load_full_state_dict(self, state_dict)
+        self._loaded = True
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Shards as DTensors on `self.device_mesh`, for torch.distributed.checkpoint."""
+        return sharded_state_dict(self)
+
+    def load_safetensors(self, path: str) -> None:
+        """Read this rank's block of every tensor from a safetensors file, slice by slice:
+        the whole model is never in this rank's memory."""
+        load_safetensors(self, path)
+        self._loaded = True
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded save through torch.distributed.checkpoint (each rank writes its shards)."""
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self.sharded_state_dict(), checkpoint_id=path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint saved by save_checkpoint on any mesh or plan of this model."""
+        load_checkpoint(self, path)
+        self._loaded = True

@@ -28,9 +28,6 @@ once follows its consumer and is stored in the layout the consumer reads.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -46,6 +43,7 @@ from autopar.resharding import Step, Unreachable, reshard_steps, split_axes
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 from autopar.passes.rules import Strategy
+from autopar.passes.solver_backend import gap, quiet_stdout, solver_for
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
 
 INF = float("inf")
@@ -302,16 +300,6 @@ def _add_or_forbid(prob, objective, var, cost: float, name: str) -> None:
 
 # ---- 3. solve and read back ---------------------------------------------------------
 
-def _solver(options: Options):
-    highs = pulp.HiGHS(msg=False, timeLimit=options.time_limit_s)
-    if options.solver in ("auto", "highs") and highs.available():
-        return "highs", highs
-    if options.solver == "highs":
-        raise SolverError("Options(solver='highs') but highspy is not installed; pip install highspy "
-                          "or use solver='cbc'")
-    return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=1)
-
-
 def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     pricer = EdgePricer(costs)
     ncost = node_costs(graph, costs)
@@ -321,9 +309,9 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     # does not simply take the layout its consumer reads
     groups = build_groups(graph, pricer, ncost, options.follow, store_as_read=budget is None)
     ilp = build_ilp(graph, groups, pricer, ncost, memory, budget)
-    name, solver = _solver(options)
+    name, solver = solver_for(options)
     t0 = time.perf_counter()
-    with _quiet_stdout():
+    with quiet_stdout():
         ilp.prob.solve(solver)
     elapsed = time.perf_counter() - t0
     status = pulp.LpStatus[ilp.prob.status]
@@ -333,15 +321,15 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     if status != "Optimal":
         status = f"{status} (time limit {options.time_limit_s} s)"
     objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
-    report = SolverReport(name, status, objective_s, _gap(ilp.prob), elapsed, ilp.n_vars,
+    report = SolverReport(name, status, objective_s, gap(ilp.prob), elapsed, ilp.n_vars,
                           ilp.prob.numConstraints(), len(ilp.choice))
     return read_plan(graph, groups, picks, pricer, costs, report, memory)
 
 
 def _smallest_footprint(graph, groups, pricer, ncost, memory, options: Options) -> int:
     ilp = build_ilp(graph, groups, pricer, ncost, memory, None, minimise_memory=True)
-    with _quiet_stdout():
-        ilp.prob.solve(_solver(options)[1])
+    with quiet_stdout():
+        ilp.prob.solve(solver_for(options)[1])
     picks = _picks(ilp, "memory", pulp.LpStatus[ilp.prob.status], 0.0, options)
     return sum(memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]] for n in graph.nodes)
 
@@ -356,33 +344,6 @@ def _picks(ilp: _Ilp, name: str, status: str, elapsed: float, options: Options) 
                               f"after {elapsed:.1f} s; raise Options.time_limit_s or set Options.follow=True")
         picks[leader] = best
     return picks
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """HiGHS prints a banner from C even with msg=False; keep the user's stdout clean."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(fd)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), fd)
-        try:
-            yield
-        finally:
-            os.dup2(saved, fd)
-            os.close(saved)
-
-
-def _gap(prob) -> Optional[float]:
-    model = getattr(prob, "solverModel", None)
-    try:
-        return float(model.getInfo().mip_gap)
-    except Exception:  # noqa: BLE001 - the gap is informational; CBC through pulp does not expose it
-        return None
 
 
 def _alternative(n: PlannedNode, alt: Strategy, chosen: dict[str, Strategy],
