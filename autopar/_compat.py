@@ -45,3 +45,8 @@ def tensor_leaf_paths(tree: Any) -> tuple[str, ...]:
             head, rest = ("args", text[3:]) if text.startswith("[0]") else ("kwargs", text[3:])
             out.append(head + rest)
     return tuple(out)
+
+
+def queue_backward_callback(fn: Any) -> None:
+    """Run fn once the current backward pass has finished (the hook DDP's reducer uses)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)

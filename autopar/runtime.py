@@ -19,6 +19,7 @@ from torch import nn
 
 from autopar import _compat
 from autopar.collectives import AxisComm
+from autopar.grad_buckets import GradBuckets
 from autopar.errors import InputMismatchError, MeshError, ProcessGroupError
 from autopar.mesh import Mesh
 from autopar.options import Options
@@ -38,6 +39,7 @@ class _Compiled:
     traced: TracedGraph
     plan: Plan
     program: RankProgram
+    buckets: GradBuckets  # this program's data-parallel gradient all-reduces
 
 
 def _signature(tensors: list[torch.Tensor], spec: Any, consts: tuple) -> tuple:
@@ -75,6 +77,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self.__dict__["_model"] = model  # not a submodule: its full parameters are not ours
         self.shards = nn.Module()
         self._register_empty_shards(model)
+        self._active_buckets: Optional[GradBuckets] = None
         self._compiled: dict[tuple, _Compiled] = {}
         self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None
         self._last: Optional[_Compiled] = None
@@ -90,11 +93,17 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.device),
                                            requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    made[id(p)].register_post_accumulate_grad_hook(self._accumulated)
             _set_nested(self.shards, name, made[id(p)], parameter=True)
         for name, b in model.named_buffers(remove_duplicate=False):
             if id(b) not in made:
                 made[id(b)] = torch.empty(0, dtype=b.dtype, device=self.device)
             _set_nested(self.shards, name, made[id(b)], parameter=False)
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if self._active_buckets is not None:
+            self._active_buckets.accumulated(param)
 
     def _axis_comms(self, mesh: Mesh) -> tuple[AxisComm, ...]:
         """One process group per mesh axis (with the collective timeout), wrapped in a
@@ -158,10 +167,14 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             except Exception as e:  # noqa: BLE001
                 problem = e
         self._check_plan_agreement(plan, problem)
-        program = emit(traced, plan, self.coords, self._comms, self.device)
+        program = emit(traced, plan, self.coords, self._comms, self.device, defer_grad_sync=True)
         if self._pinned is None:
             self._materialise_state(traced, plan)
-        compiled = _Compiled(traced, plan, program)
+        targets = {gi.name: gi.target for gi in traced.inputs}
+        deferred = program.gm.meta.get("autopar.deferred_grad_syncs", ())
+        buckets = GradBuckets([(targets[n], _get_nested(self.shards, targets[n]), axes) for n, axes in deferred],
+                              self._comms)
+        compiled = _Compiled(traced, plan, program, buckets)
         self._compiled[key] = compiled
         return compiled
 
@@ -291,6 +304,9 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
                                "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
         self._last = compiled
+        if torch.is_grad_enabled():  # this step's backward reduces this program's buckets
+            compiled.buckets.arm()
+            self._active_buckets = compiled.buckets
         outputs = compiled.program.gm(*local)
         return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
 

@@ -33,14 +33,15 @@ class RankProgram:
 
 
 def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...],
-         comms: Optional[tuple[AxisComm, ...]] = None, device: Optional[torch.device] = None) -> RankProgram:
+         comms: Optional[tuple[AxisComm, ...]] = None, device: Optional[torch.device] = None,
+         defer_grad_sync: bool = False) -> RankProgram:
     if plan.fingerprint != traced.fingerprint:
         from autopar.errors import UnsupportedModelError
         raise UnsupportedModelError(
             f"plan was made for a different graph (fingerprint {plan.fingerprint}, model {plan.model_name}) than "
             f"the traced {traced.model_name} (fingerprint {traced.fingerprint}); re-plan for this model and inputs")
     comms = comms if comms is not None else tuple(None for _ in plan.mesh.shape)
-    gm = rewrite(traced, plan, comms, device)
+    gm = rewrite(traced, plan, comms, device, defer_grad_sync)
     specs = tuple(plan.node(gi.name).outputs[0] for gi in traced.inputs)
     return RankProgram(gm, traced.inputs, specs, coords)
 

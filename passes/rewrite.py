@@ -33,9 +33,11 @@ KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
 def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ...],
-            device: Optional[torch.device] = None) -> fx.GraphModule:
+            device: Optional[torch.device] = None, defer_grad_sync: bool = False) -> fx.GraphModule:
     """`device`: where this rank runs; ops that create tensors on the traced device
-    (arange(device=...)) create them there instead (a model traced on meta, or rank r on cuda:r)."""
+    (arange(device=...)) create them there instead (a model traced on meta, or rank r on cuda:r).
+    `defer_grad_sync`: leave data-parallel gradient syncs of parameters to the runtime's
+    bucketed all-reduce (autopar/grad_buckets.py) instead of emitting them."""
     edges = {(e.consumer, e.position): e for e in plan.edges}
     choice = {n.name: n for n in plan.nodes}
     mesh_shape = plan.mesh.shape
@@ -44,11 +46,14 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
     env: dict[str, fx.Node] = {}
     cache: dict[tuple, fx.Node] = {}
     counter = [0]
+    deferred = deferred_grad_syncs(traced, plan) if defer_grad_sync else {}
 
     def resharded(edge: EdgePlan) -> fx.Node:
         value = env[edge.producer]
         key: tuple = (edge.producer,)
         for step in edge.steps:
+            if edge.producer in deferred:  # synced after backward, bucketed, by the runtime
+                continue
             key = key + (step,)
             if key not in cache:
                 name = f"ap_{step.kind}_{counter[0]}"
@@ -77,7 +82,25 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
             raise NotImplementedError(f"cannot rewrite {node.op} node {node.name}: the traced graph should hold "
                                       "only placeholders, call_function nodes and one output")
     graph.lint()
-    return fx.GraphModule(root, graph, class_name="RankProgram")
+    gm = fx.GraphModule(root, graph, class_name="RankProgram")
+    gm.meta["autopar.deferred_grad_syncs"] = tuple(sorted(deferred.items()))
+    return gm
+
+
+def deferred_grad_syncs(traced: TracedGraph, plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Parameters whose every use is only a grad_sync over the same axes (the data-parallel
+    case): their gradient all-reduce moves out of the program to the end of backward, where
+    the runtime buckets all of them together (placeholder name -> axes)."""
+    params = {gi.name for gi in traced.inputs if gi.kind == "parameter"}
+    axes: dict[str, set] = {}
+    for e in plan.edges:
+        if e.producer not in params:
+            continue
+        if not e.steps or any(step.kind != "grad_sync" for step in e.steps):
+            axes[e.producer] = {None}
+            continue
+        axes.setdefault(e.producer, set()).add(tuple(step.axis for step in e.steps))
+    return {name: next(iter(a)) for name, a in axes.items() if len(a) == 1 and None not in a}
 
 
 def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[int, ...]) -> tuple:

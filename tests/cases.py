@@ -338,3 +338,23 @@ def calibrate_links(rank: int, world: int, mesh: tuple, path: str) -> dict:
     from autopar.cost_models.profile import Profile
     return {"comm": Profile.from_json(path).comm if rank == 0 else None, "note": pm.plan.cost_note,
             "out": out, "first_mtime": first}
+
+
+def bucketed_data_parallel(rank: int, world: int) -> dict:
+    """A data-parallel plan: its parameters' gradient all-reduces leave the program and run
+    bucketed after backward; two backwards accumulate before the comparison."""
+    import copy
+    from autopar.placement import local_chunk
+    m = models.build("mlp", widths=(64, 256, 64, 256, 64)).train()
+    ref = copy.deepcopy(m)
+    xs = [torch.randn(8192, 64, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, (xs[0],), mesh=(world, 1))
+    for x in xs:
+        (pm(x) ** 2).mean().backward()
+        (ref(x) ** 2).mean().backward()
+    deferred = pm._last.program.gm.meta["autopar.deferred_grad_syncs"]
+    grads = {k: (pm.shards.get_parameter(k).grad,
+                 local_chunk(p.grad, pm._state_specs[k], pm.mesh.shape, pm.coords)) for k, p in ref.named_parameters()}
+    return {"deferred": deferred, "code": pm.code, "grads": grads}

@@ -158,3 +158,13 @@ def test_meta_model_loads_only_its_shards(tmp_path):
         assert res["peak_increase"] < res["shard_bytes"] + 16 * 2**20, (rank, res["peak_increase"], res["shard_bytes"])
         assert res["peak_increase"] < model_bytes // 2
         torch.testing.assert_close(res["out"], expected)
+
+
+def test_data_parallel_gradients_are_bucketed_and_accumulate():
+    results = run_ranks(4, [(cases.bucketed_data_parallel, dict())])
+    for rank, (res,) in enumerate(results):
+        # every parameter's sync left the program: one bucketed all-reduce after backward
+        assert len(res["deferred"]) == 8 and all(axes == (0,) for _, axes in res["deferred"]), res["deferred"]
+        assert "grad_sync" not in res["code"]
+        for name, (got, want) in res["grads"].items():
+            torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} accumulated grad {name}: {m}")
