@@ -14,7 +14,6 @@ roofline for missing ones, counting how many it did.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time

@@ -23,7 +23,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from _launch import launch, mesh_size  # noqa: E402
 
 
