@@ -25,6 +25,10 @@ class Options:
     # single-input ops follow their producer and placeholders with one use follow their
     # consumer, instead of getting free ILP variables (much smaller ILP, near-equal plans)
     follow: bool = True
+    # identical repeated blocks (transformer layers) share one set of ILP variables, the
+    # boundaries between blocks still priced edge by edge (passes/clusters.py): "inner"
+    # (the first and last layer of a stack keep their own), "all", or "off" / False
+    cluster_layers: "str | bool" = "inner"
     # "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc"
     solver: str = "auto"
     # wall-clock limit for the ILP solve; the best plan found so far is used after it

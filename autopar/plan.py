@@ -92,7 +92,8 @@ class SolverReport:
     solve_time_s: float
     variables: int
     constraints: int
-    groups: int  # decision groups (leaders) after following
+    groups: int  # decision groups with their own variables (after following and clustering)
+    shared_blocks: int = 0  # repeated blocks that reused another block's variables
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ class Plan:
             + (f"({', '.join(f'{k} x{v}' for k, v in sorted(kinds.items()))})" if kinds else ""),
             f"  solver: {self.solver.solver} {self.solver.status}, objective {self.solver.objective_s * 1e3:.3f} ms, "
             f"{self.solver.variables} variables, {self.solver.constraints} constraints, "
-            f"{self.solver.solve_time_s:.2f} s",
+            f"{self.solver.solve_time_s:.2f} s"
+            + (f", {self.solver.shared_blocks} repeated blocks sharing variables" if self.solver.shared_blocks else ""),
         ]
         if self.cost_note:
             lines.append(f"  costs: {self.cost_note}")

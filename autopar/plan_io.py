@@ -13,7 +13,8 @@ Schema version 1 (keys of the top-level object):
     training          whether backward work was planned for
     device            cost-model preset or profile name
     predicted         {compute_s, comm_s, param_bytes, activation_bytes, state_bytes, memory_bytes}: per rank
-    solver            {solver, status, objective_s, gap, solve_time_s, variables, constraints, groups}
+    solver            {solver, status, objective_s, gap, solve_time_s, variables, constraints, groups,
+                       shared_blocks (absent in older files: 0)}
     unruled_ops       ops replicated for want of a rule
     cost_note         where the costs came from (preset, or profile and its missing timings)
     nodes             [{name, op, module, group, inputs: [spec], outputs: [spec], compute_s,

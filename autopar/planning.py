@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
+from autopar import _compat
 from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.placement import Placement
@@ -49,8 +51,16 @@ def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, m
     would run. Keyword overrides go to Options (e.g. device="h100", training=True)."""
     opts = _options(options, option_overrides)
     mesh_ = Mesh.of(mesh)
-    traced = trace(model, tuple(args) if isinstance(args, (tuple, list)) else (args,), kwargs)
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        args, kwargs = inputs_on_meta(args, kwargs or {})  # a model without weights plans on shapes alone
+    traced = trace(model, args, kwargs)
     return plan_traced(traced, mesh_, opts)[1]
+
+
+def inputs_on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, tree = _compat.tree_flatten((tuple(args), dict(kwargs)))
+    return _compat.tree_unflatten([x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves], tree)
 
 
 def _options(options: Optional[Options], overrides: dict) -> Options:

@@ -26,7 +26,7 @@ from autopar.options import Options
 from autopar.placement import Placement
 from autopar.plan import Plan
 from autopar.state import ShardedStateMethods
-from autopar.planning import plan_traced
+from autopar.planning import inputs_on_meta, plan_traced
 from autopar.cost_models.profile import (COLLECTIVES, Profile, calibrate, measure_contention, profile_compute,
                                          samples_of)
 from autopar.passes.strategies import annotate
@@ -155,7 +155,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         # check below, so no rank is left waiting in a collective
         traced, plan, problem = None, None, None
         try:
-            traced = trace(self._model, *_to_meta(args, kwargs)) if self.on_meta else trace(self._model, args, kwargs)
+            traced = trace(self._model, *inputs_on_meta(args, kwargs)) if self.on_meta else trace(self._model, args, kwargs)
         except Exception as e:  # noqa: BLE001
             problem = e
         if self._given_plan is None:
@@ -362,11 +362,6 @@ class ParallelModule(ShardedStateMethods, nn.Module):
                 t = tensors[gi.target]
                 local.append(t if already_local or s.is_replicated() else shard(t, s, self.mesh.shape, self.coords))
         return local
-
-
-def _to_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    leaves, tree = _compat.tree_flatten((tuple(args), dict(kwargs)))
-    return _compat.tree_unflatten([x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves], tree)
 
 
 def _load_given(plan: "Plan | str | None") -> tuple[Optional[Plan], str]:

@@ -18,6 +18,9 @@ ZOO: dict[str, dict[str, Any]] = {
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
     "llama-small": dict(family="llama", num_hidden_layers=8, hidden_size=1024, intermediate_size=2816,
                         num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+    # Llama-3-8B's shape (GQA: 8 K/V heads for 32 query heads); build it on the meta device
+    "llama3-8b": dict(family="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "bert-tiny": dict(family="bert", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                       num_attention_heads=4, vocab_size=64),
 }
@@ -27,9 +30,11 @@ def names() -> list[str]:
     return sorted(ZOO)
 
 
-def build(name: str, batch: int = 4, seq: int = 32, training: bool = False, seed: int = 0) -> tuple:
+def build(name: str, batch: int = 4, seq: int = 32, training: bool = False, seed: int = 0,
+          device: str = "cpu", **config_overrides: Any) -> tuple:
     """(model, args, kwargs) for a zoo name, or for 'package.module:factory' where factory()
-    returns a model, (model, args) or (model, args, kwargs)."""
+    returns a model, (model, args) or (model, args, kwargs). device="meta" builds the model
+    without weights (for planning); config_overrides change the config (e.g. n_layer=48)."""
     if ":" in name:
         return _from_factory(name)
     if name not in ZOO:
@@ -39,9 +44,17 @@ def build(name: str, batch: int = 4, seq: int = 32, training: bool = False, seed
         import transformers as T
     except ImportError:
         raise ImportError(f"model {name!r} needs transformers: pip install transformers") from None
-    cfg = dict(ZOO[name])
+    cfg = dict(ZOO[name], **config_overrides)
     family = cfg.pop("family")
     torch.manual_seed(seed)
+    with torch.device(device):
+        model = _model(T, family, cfg, seq)
+    model.train(training)
+    ids = torch.randint(1, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed + 1))
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+def _model(T: Any, family: str, cfg: dict, seq: int) -> torch.nn.Module:
     if family == "gpt2":
         config = T.GPT2Config(n_positions=max(seq, 32), attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
                               use_cache=False, bos_token_id=0, eos_token_id=0, **cfg)
@@ -54,9 +67,7 @@ def build(name: str, batch: int = 4, seq: int = 32, training: bool = False, seed
         config = T.BertConfig(max_position_embeddings=max(seq, 32), hidden_dropout_prob=0.0,
                               attention_probs_dropout_prob=0.0, pad_token_id=0, **cfg)
         model = T.BertForMaskedLM(config)
-    model.train(training)
-    ids = torch.randint(1, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed + 1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return model
 
 
 def _from_factory(spec: str) -> tuple:

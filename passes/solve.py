@@ -42,6 +42,7 @@ from autopar.plan import Alternative, EdgePlan, NodeChoice, Plan, SolverReport
 from autopar.resharding import Step, Unreachable, reshard_steps, split_axes
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
+from autopar.passes.clusters import MODES, cluster, find_blocks
 from autopar.passes.rules import Strategy
 from autopar.passes.solver_backend import gap, quiet_stdout, solver_for
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
@@ -102,10 +103,14 @@ def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> di
 # ---- 1. groups ---------------------------------------------------------------------
 
 def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, ncost: dict[str, list[float]],
-                 follow: bool, store_as_read: bool = True) -> dict[str, Member]:
+                 follow: bool, store_as_read: bool = True,
+                 block_of: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, Member]:
+    """`block_of` (node -> repeated block): groups never span two blocks, so identical
+    blocks have identical groups and can share variables (passes/clusters.py)."""
+    block_of = block_of or {}
     groups: dict[str, Member] = {}
     for n in graph.nodes:
-        groups[n.name] = _forward_member(n, graph, groups, follow)
+        groups[n.name] = _forward_member(n, graph, groups, follow, block_of)
     if follow and store_as_read:
         uses: dict[str, list[tuple[str, int]]] = {}
         for n in graph.nodes:
@@ -113,7 +118,9 @@ def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, ncost: dict[str, lis
                 uses.setdefault(u, []).append((n.name, pos))
         for n in graph.nodes:
             if n.op.startswith("placeholder") and len(n.strategies) > 1 and len(uses.get(n.name, ())) == 1:
-                groups[n.name] = _backward_member(n, *uses[n.name][0], graph, groups, pricer)
+                consumer = uses[n.name][0][0]
+                if block_of.get(consumer) == block_of.get(n.name):
+                    groups[n.name] = _backward_member(n, *uses[n.name][0], graph, groups, pricer)
     return groups
 
 
@@ -121,7 +128,8 @@ def _identity(n: PlannedNode) -> Member:
     return Member(n.name, tuple(range(len(n.strategies))))
 
 
-def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Member], follow: bool) -> Member:
+def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Member], follow: bool,
+                    block_of: dict[str, tuple[str, int]]) -> Member:
     """A single-input op whose layout is fixed by its producer's (exactly one strategy
     reads the producer's output as it is, for every producer choice) joins its group."""
     is_getitem = n.op == "getitem"
@@ -130,6 +138,8 @@ def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Mem
     u, k = n.inputs[0]
     producer = graph.node(u)
     if producer.op.startswith("placeholder") and not is_getitem:
+        return _identity(n)
+    if block_of.get(u) != block_of.get(n.name):
         return _identity(n)
     lead = groups[u]
     index = []
@@ -181,7 +191,10 @@ class _Ilp:
 
 def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePricer,
               ncost: dict[str, list[float]], memory: dict[str, list[int]], budget: Optional[int],
-              minimise_memory: bool = False) -> _Ilp:
+              minimise_memory: bool = False, rep: Optional[dict[str, str]] = None) -> _Ilp:
+    """`rep` (node -> representative, passes/clusters.py): a leader whose representative
+    is another node reuses that node's variables; its costs are still added."""
+    rep = rep or {}
     leaders = [n for n in graph.nodes if groups[n.name].leader == n.name]
     gcost = {L.name: [0.0] * len(L.strategies) for L in leaders}
     gmem = {L.name: [0] * len(L.strategies) for L in leaders}
@@ -204,18 +217,26 @@ def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePric
                 if ui >= 0 and vi >= 0:
                     gcost[mv.leader][i] += pricer.cost_s(producer.strategies[ui].outputs[k], v.strategies[vi], pos)
     prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
-    objective = []
+    objective = Objective()
     choice: dict[str, list[Optional[pulp.LpVariable]]] = {}
     n_vars = 0
     # one-hot: sum_i s[g,i] = 1
-    for L in leaders:
+    for L in sorted(leaders, key=lambda L: rep.get(L.name, L.name) != L.name):  # representatives first
+        twin = rep.get(L.name, L.name)
+        if twin != L.name:
+            vars_ = choice[twin]
+            for i, var in enumerate(vars_):
+                if var is not None:
+                    objective.add(var, gmem[L.name][i] / 2**20 if minimise_memory else gcost[L.name][i] * US)
+            choice[L.name] = vars_
+            continue
         vars_: list[Optional[pulp.LpVariable]] = []
         for i, c in enumerate(gcost[L.name]):
             if c == INF:
                 vars_.append(None)
                 continue
             var = _variable(prob, f"s_{L.name}_{i}", cat="Binary")
-            objective.append((gmem[L.name][i] / 2**20 if minimise_memory else c * US) * var)
+            objective.add(var, gmem[L.name][i] / 2**20 if minimise_memory else c * US)
             vars_.append(var)
             n_vars += 1
         if not any(v is not None for v in vars_):
@@ -227,11 +248,17 @@ def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePric
     if budget is not None and not minimise_memory:
         prob += pulp.lpSum(gmem[g][i] * v for g, vars_ in choice.items() for i, v in enumerate(vars_)
                            if v is not None) <= budget, "memory_budget"
-    # edges between groups
+    # edges between groups; an edge whose endpoints have the same representatives as an
+    # earlier one has its variables and cost terms: add those terms once more
+    built: dict[tuple, Objective] = {}
     for e, (v, pos, u, k) in enumerate(inter):
-        n_vars += _edge_terms(prob, [] if minimise_memory else objective, e, graph, groups, choice, pricer,
-                              v, pos, u, k)
-    prob += pulp.lpSum(objective)
+        key = (rep.get(v.name, v.name), pos, rep.get(u, u), k)
+        if key not in built:
+            built[key] = Objective()
+            n_vars += _edge_terms(prob, built[key], e, graph, groups, choice, pricer, v, pos, u, k)
+        if not minimise_memory:
+            objective.extend(built[key])
+    prob += objective.expression()
     return _Ilp(prob, choice, n_vars)
 
 
@@ -243,8 +270,32 @@ def _classes(member: Member, var_list: list, key) -> dict:
     return out
 
 
-def _edge_terms(prob, objective, e, graph, groups, choice, pricer, v: PlannedNode, pos: int, u: str, k: int) -> int:
-    """Adds edge e's reshard cost; returns how many variables it created."""
+class Objective:
+    """Linear terms accumulated per variable (PuLP's operator overloading is slow at 10^5 terms)."""
+
+    def __init__(self) -> None:
+        self.coef: dict = {}
+        self.constant = 0.0
+
+    def add(self, var: Optional[pulp.LpVariable], c: float) -> None:
+        if var is None:
+            self.constant += c
+        elif c:
+            self.coef[var] = self.coef.get(var, 0.0) + c
+
+    def extend(self, other: "Objective") -> None:
+        self.constant += other.constant
+        for var, c in other.coef.items():
+            self.coef[var] = self.coef.get(var, 0.0) + c
+
+    def expression(self) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression(self.coef, constant=self.constant)
+
+
+def _edge_terms(prob, objective: Objective, e, graph, groups, choice, pricer, v: PlannedNode, pos: int, u: str,
+                k: int) -> int:
+    """Adds edge e's constraints and its reshard cost terms to `objective`; returns how
+    many variables it created."""
     producer = graph.node(u)
     mu, mv = groups[u], groups[v.name]
     src = _classes(mu, choice[mu.leader], lambda j: producer.strategies[j].outputs[k])
@@ -258,7 +309,7 @@ def _edge_terms(prob, objective, e, graph, groups, choice, pricer, v: PlannedNod
     dst_classes = list(merged.values())
     matrix = {(o, r): pricer.cost_s(o, dst_classes[r][0], pos) for o in src for r in range(len(dst_classes))}
     if len(set(matrix.values())) == 1 and INF not in matrix.values():
-        objective.append(next(iter(matrix.values())) * US)
+        objective.add(None, next(iter(matrix.values())) * US)
         return 0
     if len(src) == 1:
         (o,) = src
@@ -276,7 +327,7 @@ def _edge_terms(prob, objective, e, graph, groups, choice, pricer, v: PlannedNod
         for r in range(len(dst_classes)):
             if matrix[(o, r)] < INF:
                 xs[(oi, r)] = x = _variable(prob, f"x_{e}_{oi}_{r}", lowBound=0)
-                objective.append(matrix[(o, r)] * US * x)
+                objective.add(x, matrix[(o, r)] * US)
     for oi, (o, vars_) in enumerate(src.items()):
         prob += pulp.lpSum(x for (a, _), x in xs.items() if a == oi) == pulp.lpSum(vars_), f"e{e}_src{oi}"
     for r, (_, vars_) in enumerate(dst_classes):
@@ -291,11 +342,11 @@ def _variable(prob: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
     return pulp.LpVariable(name, **kw)
 
 
-def _add_or_forbid(prob, objective, var, cost: float, name: str) -> None:
+def _add_or_forbid(prob, objective: Objective, var, cost: float, name: str) -> None:
     if cost == INF:
         prob += var == 0, f"forbid_{name}_{var.name}"
-    elif cost:
-        objective.append(cost * US * var)
+    else:
+        objective.add(var, cost * US)
 
 
 # ---- 3. solve and read back ---------------------------------------------------------
@@ -307,8 +358,13 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     budget = options.memory_budget_bytes
     # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
     # does not simply take the layout its consumer reads
-    groups = build_groups(graph, pricer, ncost, options.follow, store_as_read=budget is None)
-    ilp = build_ilp(graph, groups, pricer, ncost, memory, budget)
+    mode = cluster_mode(options.cluster_layers)
+    block_of = find_blocks(graph) if mode else {}
+    groups = build_groups(graph, pricer, ncost, options.follow, store_as_read=budget is None, block_of=block_of)
+    blocks = cluster(graph, block_of, groups, mode or "inner")
+    if block_of and not blocks.shared_blocks:  # nothing to share: keep followers free to cross blocks
+        groups = build_groups(graph, pricer, ncost, options.follow, store_as_read=budget is None)
+    ilp = build_ilp(graph, groups, pricer, ncost, memory, budget, rep=blocks.rep)
     name, solver = solver_for(options)
     t0 = time.perf_counter()
     with quiet_stdout():
@@ -316,18 +372,30 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     elapsed = time.perf_counter() - t0
     status = pulp.LpStatus[ilp.prob.status]
     if status == "Infeasible" and budget is not None:
-        raise MemoryBudgetError(budget, _smallest_footprint(graph, groups, pricer, ncost, memory, options))
+        raise MemoryBudgetError(budget, _smallest_footprint(graph, groups, pricer, ncost, memory, options,
+                                                            blocks.rep))
     picks = _picks(ilp, name, status, elapsed, options)
     if status != "Optimal":
         status = f"{status} (time limit {options.time_limit_s} s)"
     objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
     report = SolverReport(name, status, objective_s, gap(ilp.prob), elapsed, ilp.n_vars,
-                          ilp.prob.numConstraints(), len(ilp.choice))
+                          ilp.prob.numConstraints(), len({id(v) for v in ilp.choice.values()}),
+                          blocks.shared_blocks)
     return read_plan(graph, groups, picks, pricer, costs, report, memory)
 
 
-def _smallest_footprint(graph, groups, pricer, ncost, memory, options: Options) -> int:
-    ilp = build_ilp(graph, groups, pricer, ncost, memory, None, minimise_memory=True)
+def cluster_mode(value) -> Optional[str]:
+    if value is True:
+        return "inner"
+    if value in (False, None, "off"):
+        return None
+    if value in MODES:
+        return value
+    raise ValueError(f"Options.cluster_layers={value!r}: use 'inner' (default), 'all', or 'off'/False")
+
+
+def _smallest_footprint(graph, groups, pricer, ncost, memory, options: Options, rep: dict[str, str]) -> int:
+    ilp = build_ilp(graph, groups, pricer, ncost, memory, None, minimise_memory=True, rep=rep)
     with quiet_stdout():
         ilp.prob.solve(solver_for(options)[1])
     picks = _picks(ilp, "memory", pulp.LpStatus[ilp.prob.status], 0.0, options)

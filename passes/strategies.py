@@ -3,7 +3,8 @@
     TracedGraph + Mesh -> AnnotatedGraph(nodes: PlannedNode(inputs, strategies))
 
 1. Placeholders (parameters, buffers, user inputs) may take any R/S(d) layout; a
-   pinned layout (a parameter already sharded by an earlier plan) is the only choice.
+   pinned layout (a parameter already sharded by an earlier plan, or a hand plan's
+   parameter or input layout) is the only choice.
 2. Ops ask their rule in passes/rules for per-axis rules, expanded over the mesh.
    An op without a rule runs replicated; one warning lists all such ops.
 3. getitem of a multi-output op takes the layout of that output.
@@ -124,7 +125,7 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
     # 1. placeholders
     if node.op == "placeholder":
         gi = inputs[node.name]
-        if isinstance(gi.target, str) and gi.target in pinned:
+        if gi.target in pinned:  # a state-dict key, or a user input's leaf index
             specs = [Spec(tuple(pinned[gi.target]), gi.meta)]
         else:
             specs = layouts(gi.meta, mesh)
@@ -144,7 +145,8 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
         if parent.name not in by_name or not output_metas(node):
             return None
         seen = dict.fromkeys(s.outputs[k] for s in by_name[parent.name].strategies)
-        return PlannedNode(node.name, "getitem", ((parent.name, k),), tuple(Strategy((s,), (s,)) for s in seen))
+        return PlannedNode(node.name, "getitem", ((parent.name, k),), tuple(Strategy((s,), (s,)) for s in seen),
+                           module=by_name[parent.name].module)
     # 2. ops
     outs = output_metas(node)
     ins = tensor_inputs(node)
@@ -176,5 +178,6 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    path = path.removeprefix("L['self'].").removeprefix("model.").removeprefix("model")
-    return path.lstrip(".")
+    # the tracing wrapper holds the user's model as attribute `model` (passes/trace.py)
+    path = path.removeprefix("L['self'].")
+    return "" if path == "model" else path.removeprefix("model.")

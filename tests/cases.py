@@ -8,6 +8,7 @@ import torch
 
 import autopar
 from autopar.cost_models.devices import DeviceSpec, Link
+from autopar.hand_plans import hand_plan
 from tests import models
 
 # A device on which communication is nearly free and compute dear: the solver shards
@@ -49,9 +50,10 @@ def _loss(out) -> torch.Tensor:
 
 
 def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device: str = "cheap", batch: int = 2,
-                         seq: int = 8, **over) -> dict:
+                         seq: int = 8, style: str = "", **over) -> dict:
     """Loss and every local parameter gradient on this rank, next to the matching block
-    of the single-device gradient."""
+    of the single-device gradient. `style`: run that hand plan (autopar/hand_plans.py)
+    instead of autopar's."""
     import copy
     from autopar.placement import local_chunk
     m = models.build(model, **over).train()
@@ -62,7 +64,9 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
     ref_grads = {k: p.grad for k, p in ref_model.named_parameters(remove_duplicate=False)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=CHEAP_COMM if device == "cheap" else device)
+        dev = CHEAP_COMM if device == "cheap" else device
+        plan = hand_plan(m, args, kwargs, mesh=mesh, style=style, device=dev) if style else None
+        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=dev, plan=plan)
     loss = _loss(pm(*args, **kwargs))
     loss.backward()
     plan = pm.plan
@@ -78,7 +82,7 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
         expect = local_chunk(ref_grads[gi.target], spec, mesh_.shape, mesh_.coords(rank))
         pairs[gi.target] = (local.grad, expect, str(spec))
     return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": pairs,
-            "collectives": [str(c) for c in plan.collectives()]}
+            "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements()}
 
 
 def lazy_signatures(rank: int, world: int, mesh: tuple) -> dict:

@@ -36,6 +36,10 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
                 break
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        # every rank leaves together: a rank tearing down gloo while a peer still has
+        # work in flight on the same pair can abort the peer ("terminate called ...")
+        if not any(isinstance(r, dict) and "error" in r for r in results):
+            dist.barrier()
         dist.destroy_process_group()
 
 

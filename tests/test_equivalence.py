@@ -12,6 +12,15 @@ from tests.harness import run_ranks
 
 MODELS = ["mlp", "gpt2", "llama", "bert"]
 MESHES_4 = [(1, 4), (4, 1), (2, 2)]
+HAND_MODELS = ["gpt2", "llama"]
+HAND_STYLES = ["data_parallel", "megatron", "dp_tp", "fsdp"]
+# what each hand style must have laid out: (an input, a column-parallel weight, a norm weight)
+HAND_LAYOUTS = {
+    "data_parallel": ("S(0)S(0)", "RR", "RR"),
+    "megatron": ("RR", "S(d)S(d)", "RR"),
+    "dp_tp": ("S(0)R", "RS(d)", "RR"),
+    "fsdp": ("S(0)S(0)", "S(0)S(0)", "S(0)S(0)"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +29,8 @@ def four_ranks():
     batch += [(cases.gradient_equivalence, dict(model=m, mesh=(2, 2))) for m in MODELS]
     batch += [(cases.forward_equivalence, dict(model="mlp", mesh=(4, 1), device="cpu", batch=4096))]
     batch += [(cases.lazy_signatures, dict(mesh=(2, 2)))]
+    batch += [(cases.gradient_equivalence, dict(model=m, mesh=(2, 2), batch=4, style=s))
+              for m in HAND_MODELS for s in HAND_STYLES]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -88,3 +99,20 @@ def test_lazy_compile_plans_per_signature(four_ranks):
         assert res["plans"] == 2
         for got, want in res["outputs"].values():
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("style", HAND_STYLES)
+@pytest.mark.parametrize("model", HAND_MODELS)
+def test_hand_plans_run_and_match(four_ranks, model, style):
+    # the hand plans priced in bench/plan_quality.py are real plans: on 4 gloo ranks the
+    # loss and every gradient shard equal the single-device model's
+    per_rank = four_ranks[_key(cases.gradient_equivalence, dict(model=model, mesh=(2, 2), batch=4, style=style))]
+    _check_gradients(per_rank)
+    placements = per_rank[0]["placements"]
+    column = {"gpt2": ("p_transformer_h_0_mlp_c_fc_weight", "1"), "llama": ("p_model_layers_0_mlp_up_proj_weight", "0")}
+    norm = {"gpt2": "p_transformer_h_0_ln_1_weight", "llama": "p_model_layers_0_input_layernorm_weight"}
+    weight, out_dim = column[model]
+    want_input, want_weight, want_norm = HAND_LAYOUTS[style]
+    assert placements["input_0"] == want_input, placements["input_0"]
+    assert placements[weight] == want_weight.replace("d", out_dim), placements[weight]
+    assert placements[norm[model]] == want_norm, placements[norm[model]]

@@ -119,7 +119,7 @@ def test_solver_never_costs_more_than_hand_plans(name, mesh):
     args, kwargs = models.inputs(name, batch=4)
     device = _cheap_comm()
     auto = _plan(model, args, kwargs, mesh=mesh, device=device)
-    for style in ("megatron", "data_parallel"):
+    for style in ("megatron", "data_parallel", "dp_tp", "fsdp"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hand = hand_plan(model, args, kwargs, mesh=mesh, style=style, device=device)
