@@ -1,9 +1,10 @@
-"""Command line: plan, show, diff, code.
+"""Command line: plan, show, diff, code, coverage.
 
     python -m autopar plan gpt2-tiny --mesh 2,4 --out plan.json
     python -m autopar show plan.json
     python -m autopar diff a.json b.json
     python -m autopar code gpt2-tiny --mesh 2,4 --rank 3 [--plan plan.json]
+    python -m autopar coverage [models...] [--mesh 2,4] [--training]
 
 Exit codes: 0 done, 1 autopar refused (message on stderr), 2 bad command line.
 """
@@ -50,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     model_args(sp)
     sp.add_argument("--rank", type=int, default=0)
     sp.add_argument("--plan", help="use this saved plan instead of solving")
+    sp = sub.add_parser("coverage", help="which rules (hand, discovered, none) shard each zoo model")
+    sp.add_argument("models", nargs="*", help=f"default: every tiny model ({models_help})")
+    sp.add_argument("--mesh", type=_mesh, default=(2, 4), help="mesh shape (default 2,4)")
+    sp.add_argument("--device", default="cpu", help="cost-model preset: cpu, a100, h100, h200")
+    sp.add_argument("--training", action="store_true", help="plan training steps")
     return p
 
 
@@ -85,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
             print(Plan.from_json(args.a).diff(Plan.from_json(args.b)))
         elif args.command == "code":
             print(_code(args))
+        elif args.command == "coverage":
+            from autopar import zoo
+            from autopar.coverage import coverage, report
+            from autopar.options import Options
+            names = args.models or [n for n in zoo.names() if n.endswith("-tiny")]
+            rows = coverage(names, args.mesh, Options(device=args.device, training=args.training))
+            print(report(rows, args.mesh))
+            return 1 if any(r.error for r in rows) else 0
     except (AutoparError, ValueError, ImportError) as e:
         print(f"autopar: {e}", file=sys.stderr)
         return 1

@@ -29,6 +29,9 @@ class Options:
     # boundaries between blocks still priced edge by edge (passes/clusters.py): "inner"
     # (the first and last layer of a stack keep their own), "all", or "off" / False
     cluster_layers: "str | bool" = "inner"
+    # ops without a hand-written rule get rules verified by experiment on random data
+    # (passes/discovery.py); False: such ops run replicated
+    discover_rules: bool = True
     # "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc"
     solver: str = "auto"
     # wall-clock limit for the ILP solve; the best plan found so far is used after it

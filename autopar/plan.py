@@ -113,6 +113,7 @@ class Plan:
     unruled_ops: tuple[str, ...] = ()
     state_bytes: int = 0  # per rank: gradients and optimiser state (training plans)
     cost_note: str = ""  # where the costs came from (preset, or profile and how many timings it lacked)
+    discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/discovery.py)
 
     @property
     def memory_bytes(self) -> int:
@@ -164,6 +165,8 @@ class Plan:
             lines.append(f"  costs: {self.cost_note}")
         if self.unruled_ops:
             lines.append(f"  replicated for want of a rule: {', '.join(self.unruled_ops)}")
+        if self.discovered_ops:
+            lines.append(f"  sharded by discovered rules: {', '.join(self.discovered_ops)}")
         return "\n".join(lines)
 
     def table(self) -> str:

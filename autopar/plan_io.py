@@ -16,6 +16,7 @@ Schema version 1 (keys of the top-level object):
     solver            {solver, status, objective_s, gap, solve_time_s, variables, constraints, groups,
                        shared_blocks (absent in older files: 0)}
     unruled_ops       ops replicated for want of a rule
+    discovered_ops    ops sharded by rules found by experiment (absent in older files)
     cost_note         where the costs came from (preset, or profile and its missing timings)
     nodes             [{name, op, module, group, inputs: [spec], outputs: [spec], compute_s,
                         alternatives, options: [{inputs: ["S(0)R", ..], outputs: [..], compute_s,
@@ -81,7 +82,8 @@ def plan_to_dict(plan: Plan) -> dict:
                       "activation_bytes": plan.activation_bytes, "state_bytes": plan.state_bytes,
                       "memory_bytes": plan.memory_bytes},
         "solver": vars(plan.solver).copy() if hasattr(plan.solver, "__dict__") else _fields(plan.solver),
-        "unruled_ops": list(plan.unruled_ops), "cost_note": plan.cost_note,
+        "unruled_ops": list(plan.unruled_ops), "discovered_ops": list(plan.discovered_ops),
+        "cost_note": plan.cost_note,
         "nodes": [{"name": n.name, "op": n.op, "module": n.module, "group": n.group,
                    "inputs": [spec_to_json(s) for s in n.inputs], "outputs": [spec_to_json(s) for s in n.outputs],
                    "compute_s": n.compute_s, "alternatives": n.alternatives,
@@ -119,7 +121,7 @@ def plan_from_dict(d: dict, source: str = "<dict>") -> Plan:
         return Plan(Mesh(tuple(d["mesh"])), d["model"], d["fingerprint"], bool(d["training"]), d["device"], nodes,
                     edges, float(p["compute_s"]), float(p["comm_s"]), int(p["param_bytes"]),
                     int(p["activation_bytes"]), SolverReport(**d["solver"]), tuple(d.get("unruled_ops", ())),
-                    int(p.get("state_bytes", 0)), d.get("cost_note", ""))
+                    int(p.get("state_bytes", 0)), d.get("cost_note", ""), tuple(d.get("discovered_ops", ())))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. "
                             "Re-create it with plan.to_json(path)") from e

@@ -26,7 +26,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
     """`profile`: measured costs to use (compute timings and calibrated links); without
     one, Options.cost_model names a saved profile or "analytic"."""
     training = traced.training if options.training is None else options.training
-    graph = annotate(traced, mesh, pinned)
+    graph = annotate(traced, mesh, pinned, options.discover_rules)
     costs = CostModel.analytic(options.device, mesh.shape, training)
     if profile is None and options.cost_model not in ("analytic", "profile"):
         profile = Profile.from_json(options.cost_model)

@@ -236,7 +236,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             try:
                 if profile is not None:  # measure what this graph's strategies would run, then keep it
                     import os
-                    graph = annotate(traced, self.mesh, self._pinned)
+                    graph = annotate(traced, self.mesh, self._pinned, self.options.discover_rules)
                     profile_compute(samples_of(graph, self.mesh.shape), profile, self.device,
                                     self.options.profile_budget_s)
                     os.makedirs(os.path.dirname(os.path.abspath(self._profile_path)), exist_ok=True)

@@ -30,6 +30,11 @@ aten = torch.ops.aten
 # ops whose argument 1 is the output size: it must become the local size
 SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+# a local block can be laid out otherwise than the whole tensor was (a shard cut along an
+# inner dim, a gathered result), so a view that was legal on the whole may not be on the
+# block: reshape views where it can and copies where it must. Graphs are functional where
+# values are written (passes/trace.py), so no write relies on the aliasing.
+LOCAL_TARGET = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
 def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ...],
@@ -75,7 +80,8 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
                 args = localize_args(node.target, tuple(args), choice[node.name].outputs, mesh_shape)
             if device is not None and isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": device}
-            new = graph.create_node("call_function", node.target, tuple(args), dict(kwargs), name=node.name)
+            target = LOCAL_TARGET.get(node.target, node.target)
+            new = graph.create_node("call_function", target, tuple(args), dict(kwargs), name=node.name)
             _copy_meta(node, new, choice)
             env[node.name] = new
         else:

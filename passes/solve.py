@@ -458,4 +458,4 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
     return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
                 tuple(nodes), tuple(edges), compute_total, comm_total, param_bytes, act_bytes, report,
-                graph.unruled_ops, state_bytes)
+                graph.unruled_ops, state_bytes, discovered_ops=graph.discovered_ops)

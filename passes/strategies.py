@@ -6,7 +6,9 @@
    pinned layout (a parameter already sharded by an earlier plan, or a hand plan's
    parameter or input layout) is the only choice.
 2. Ops ask their rule in passes/rules for per-axis rules, expanded over the mesh.
-   An op without a rule runs replicated; one warning lists all such ops.
+   An op without a hand-written rule gets the rules passes/discovery.py verifies by
+   experiment; if none hold (or discovery is off) it runs replicated, and one warning
+   lists all such ops.
 3. getitem of a multi-output op takes the layout of that output.
 4. The output node needs every returned tensor replicated (full on every rank).
 Nodes that neither take nor make tensors (shape asserts) are not planned.
@@ -27,6 +29,7 @@ from autopar import _compat
 from autopar.errors import describe_node
 from autopar.mesh import Mesh
 from autopar.placement import Placement, R, Shard, Spec, TensorMeta
+from autopar.passes.discovery import discover
 from autopar.passes.rules import OpCall, Strategy, TensorArg, expand, replicate_rule, rule_for
 from autopar.passes.trace import TracedGraph
 
@@ -46,6 +49,7 @@ class PlannedNode:
     call: Optional[OpCall] = None
     has_rule: bool = True
     module: str = ""  # innermost nn.Module path the op came from ("" at top level)
+    rule_source: str = "hand"  # "hand", "discovered" or "replicated" (ops); "" for other nodes
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class AnnotatedGraph:
     mesh: Mesh
     nodes: tuple[PlannedNode, ...]  # topological order
     unruled_ops: tuple[str, ...] = ()
+    discovered_ops: tuple[str, ...] = ()
     by_name: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def node(self, name: str) -> PlannedNode:
@@ -101,14 +106,17 @@ def layouts(meta: TensorMeta, mesh: Mesh) -> list[Spec]:
     return [s for s in specs if s.fits(mesh.shape)]
 
 
-def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement, ...]] | None = None) -> AnnotatedGraph:
+def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement, ...]] | None = None,
+             discover_rules: bool = True) -> AnnotatedGraph:
     pinned = pinned or {}
+    discovered: dict[str, None] = {}
     inputs = {gi.name: gi for gi in traced.inputs}
     nodes: list[PlannedNode] = []
     by_name: dict[str, PlannedNode] = {}
     unruled: dict[str, None] = {}
     for node in traced.gm.graph.nodes:
-        planned = _plan_node(node, traced, mesh, inputs, pinned, by_name, unruled)
+        planned = _plan_node(node, traced, mesh, inputs, pinned, by_name, unruled,
+                             discovered if discover_rules else None)
         if planned is not None:
             nodes.append(planned)
             by_name[planned.name] = planned
@@ -117,11 +125,11 @@ def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement,
             f"no sharding rule for {', '.join(unruled)} in model {traced.model_name}; these ops run "
             "replicated (their inputs are gathered). Register rules in passes/rules/ to shard them."),
             stacklevel=3)
-    return AnnotatedGraph(traced, mesh, tuple(nodes), tuple(unruled), by_name)
+    return AnnotatedGraph(traced, mesh, tuple(nodes), tuple(unruled), tuple(discovered), by_name)
 
 
 def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pinned: dict,
-               by_name: dict, unruled: dict) -> Optional[PlannedNode]:
+               by_name: dict, unruled: dict, discovered: Optional[dict]) -> Optional[PlannedNode]:
     # 1. placeholders
     if node.op == "placeholder":
         gi = inputs[node.name]
@@ -130,13 +138,14 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
         else:
             specs = layouts(gi.meta, mesh)
         return PlannedNode(node.name, f"placeholder:{gi.kind}", (),
-                           tuple(Strategy((), (s,)) for s in specs))
+                           tuple(Strategy((), (s,)) for s in specs), rule_source="")
     # 4. output
     if node.op == "output":
         outs = [a for a in _compat.tree_flatten(node.args)[0] if isinstance(a, fx.Node)
                 and isinstance(a.meta.get("val"), torch.Tensor)]
         specs = tuple(Spec((R,) * mesh.ndim, TensorMeta.of(a.meta["val"])) for a in outs)
-        return PlannedNode(OUTPUT, "output", tuple((a.name, 0) for a in outs), (Strategy(specs, ()),))
+        return PlannedNode(OUTPUT, "output", tuple((a.name, 0) for a in outs), (Strategy(specs, ()),),
+                           rule_source="")
     if node.op != "call_function":
         return None
     # 3. getitem
@@ -146,7 +155,7 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
             return None
         seen = dict.fromkeys(s.outputs[k] for s in by_name[parent.name].strategies)
         return PlannedNode(node.name, "getitem", ((parent.name, k),), tuple(Strategy((s,), (s,)) for s in seen),
-                           module=by_name[parent.name].module)
+                           module=by_name[parent.name].module, rule_source="")
     # 2. ops
     outs = output_metas(node)
     ins = tensor_inputs(node)
@@ -154,14 +163,20 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
         return None
     call = op_call(node, traced.training)
     rule = rule_for(node.target)
-    has_rule = rule is not None
+    source = "hand"
     if rule is None:
-        unruled[str(node.target)] = None
-        rule = replicate_rule
+        found = discover(call) if discovered is not None else None
+        if found is not None and len(found) > 1:
+            source, rule = "discovered", (lambda _call, found=found: found)
+            discovered[str(node.target)] = None
+        else:
+            source, rule = "replicated", replicate_rule
+            unruled[str(node.target)] = None
     try:
         axis_rules = rule(call)
     except Exception as e:  # noqa: BLE001 - a broken rule is reported with its node
-        raise RuntimeError(f"sharding rule {rule.__name__} failed on {describe_node(node)}: {e}") from e
+        raise RuntimeError(f"sharding rule {getattr(rule, '__name__', source)} failed on {describe_node(node)}: "
+                           f"{e}") from e
     for r in axis_rules:
         if len(r.inputs) != len(call.inputs) or len(r.outputs) != len(call.outputs):
             raise RuntimeError(
@@ -170,7 +185,7 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                 f"{len(call.outputs)} tensor outputs")
     strategies = expand(axis_rules, call, mesh.shape)
     return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
-                       has_rule, module_path(node))
+                       source != "replicated", module_path(node), source)
 
 
 def module_path(node: fx.Node) -> str:

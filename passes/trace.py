@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,14 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
             f"torch.export could not trace model {name}: {type(e).__name__}: {head}\n"
             "autopar needs a model that torch.export.export(model, args, kwargs, strict=False) accepts; "
             "remove data-dependent Python control flow or pass example inputs that exercise one path.") from e
-    # 3. signature
+    # 3. in-place writes to intermediate values (masked_fill_, index_put_, a copy_ into a
+    # slice) become functional ops (torch's functionalization): a sharded value that is
+    # resharded before an in-place op would otherwise lose the write for its other readers
+    if writes_intermediates(ep.graph_module):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecation notes
+            ep = ep.run_decompositions({})
+    # 4. signature
     inputs = _rename_placeholders(ep.graph_module, _graph_inputs(ep, name))
     _refuse_input_writes(ep.graph_module, inputs, name)
     return TracedGraph(
@@ -106,7 +114,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         in_spec=in_spec,
         out_spec=ep.call_spec.out_spec,
         leaf_constants=consts,
-        constants=dict(ep.constants),
+        constants={_strip(k): v for k, v in ep.constants.items()},
         fingerprint=fingerprint(ep.graph_module),
         model_name=name,
         training=model.training,
@@ -183,6 +191,11 @@ def written_args(node: fx.Node) -> list[fx.Node]:
         if isinstance(value, fx.Node):
             out.append(value)
     return out
+
+
+def writes_intermediates(gm: fx.GraphModule) -> bool:
+    return any(w.op != "placeholder" for node in gm.graph.nodes if node.op == "call_function"
+               for w in written_args(node))
 
 
 def _refuse_input_writes(gm: fx.GraphModule, inputs: tuple[GraphInput, ...], model_name: str) -> None:

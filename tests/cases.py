@@ -55,7 +55,6 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
     of the single-device gradient. `style`: run that hand plan (autopar/hand_plans.py)
     instead of autopar's."""
     import copy
-    from autopar.placement import local_chunk
     m = models.build(model, **over).train()
     ref_model = copy.deepcopy(m)
     args, kwargs = models.inputs(model, batch, seq)
@@ -70,19 +69,58 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
     loss = _loss(pm(*args, **kwargs))
     loss.backward()
     plan = pm.plan
-    mesh_ = plan.mesh
-    pairs = {}
-    traced_inputs = pm._last.traced.inputs
+    return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": _grad_pairs(pm, ref_grads, rank),
+            "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements()}
+
+
+def _grad_pairs(pm, ref_grads: dict, rank: int) -> dict:
+    """Parameter -> (this rank's gradient, the matching block of the reference gradient, spec)."""
+    from autopar.placement import local_chunk
+    plan = pm.plan
     used = {e.producer for e in plan.edges}
-    for gi in traced_inputs:
+    pairs = {}
+    for gi in pm._last.traced.inputs:
         if gi.kind != "parameter" or gi.name not in used:  # a tied twin the graph never reads
             continue
         spec = plan.node(gi.name).outputs[0]
         local = pm.shards.get_parameter(gi.target)
-        expect = local_chunk(ref_grads[gi.target], spec, mesh_.shape, mesh_.coords(rank))
+        expect = None if ref_grads[gi.target] is None else \
+            local_chunk(ref_grads[gi.target], spec, plan.mesh.shape, plan.mesh.coords(rank))
         pairs[gi.target] = (local.grad, expect, str(spec))
-    return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": pairs,
-            "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements()}
+    return pairs
+
+
+def zoo_equivalence(rank: int, world: int, name: str, mesh: tuple, training: bool = True) -> dict:
+    """A zoo model (autopar/zoo.py, or the tests' CNN) on this rank: every output leaf
+    (logits, loss) and, in training, every local parameter gradient, next to the
+    single-device model's."""
+    import copy
+    from autopar.zoo import build
+    if name.startswith("resnet-"):
+        torch.manual_seed(0)
+        m = models.TinyResNet(name.removeprefix("resnet-")).train(training)
+        args, kwargs = (torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)),), {}
+    else:
+        m, args, kwargs = build(name, batch=8, seq=8, training=training)
+    ref_model = copy.deepcopy(m)
+    ref_out = ref_model(*args, **kwargs)
+    reference = [t.detach() for t in _leaves(ref_out)]
+    if training:
+        _loss(ref_out).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=CHEAP_COMM)
+    out = pm(*args, **kwargs)
+    parallel = [t.detach() for t in _leaves(out)]
+    grads = {}
+    if training:
+        _loss(out).backward()
+        grads = _grad_pairs(pm, {k: p.grad for k, p in ref_model.named_parameters(remove_duplicate=False)}, rank)
+    plan = pm.plan
+    return {"reference": reference, "parallel": parallel, "grads": grads,
+            "sharded_params": sum(1 for n in plan.nodes if n.op == "placeholder:parameter"
+                                  and not n.outputs[0].is_replicated()),
+            "discovered": plan.discovered_ops, "replicated": plan.unruled_ops}
 
 
 def lazy_signatures(rank: int, world: int, mesh: tuple) -> dict:

@@ -58,3 +58,41 @@ def inputs(name: str, batch: int = 2, seq: int = 8, seed: int = 1) -> tuple[tupl
         return (torch.randn(batch, 16, generator=g),), {}
     ids = torch.randint(1, 64, (batch, seq), generator=g)
     return (), {"input_ids": ids, "labels": ids}
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convs with a norm each and a shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = norm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = norm(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.down is None else self.down(x)))
+
+
+class TinyResNet(nn.Module):
+    """A torchvision-style ResNet (stem conv + max pool, two stages of basic blocks,
+    global average pool, linear head) at toy width. norm: "batch" or "group"."""
+
+    def __init__(self, norm: str = "batch", classes: int = 8, width: int = 8) -> None:
+        super().__init__()
+        make = nn.BatchNorm2d if norm == "batch" else (lambda c: nn.GroupNorm(2, c))
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), make(width), nn.ReLU(),
+                                  nn.MaxPool2d(2))
+        self.layer1 = BasicBlock(width, width, 1, make)
+        self.layer2 = BasicBlock(width, 2 * width, 2, make)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))

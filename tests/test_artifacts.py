@@ -145,6 +145,19 @@ def test_cli_plan_show_diff_code(tmp_path):
     assert r.returncode == 0 and "def forward" in r.stdout and "rank 3 at mesh coordinates (1, 1)" in r.stdout
 
 
+def test_cli_coverage_reports_rule_sources():
+    # Mixtral's routing has ops without hand rules: histc and transformers' grouped matmul
+    # are sharded by discovered rules; index_put finds none and is replicated
+    r = _cli("coverage", "gpt2-tiny", "mixtral-tiny", "--mesh", "2,2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    gpt2 = next(line for line in lines if line.startswith("gpt2-tiny")).split()
+    assert gpt2[2:4] == ["0", "0"] and int(gpt2[1]) > 50  # all ops hand-ruled
+    assert "discovered: aten.histc.default x2, transformers.grouped_mm_fallback.default x4" in r.stdout
+    assert "replicated: aten.index_put.default x2" in r.stdout
+    assert "speedup" in lines[1]
+
+
 def test_cli_errors_have_exit_codes(tmp_path):
     r = _cli("show", str(tmp_path / "missing.json"))
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr

@@ -39,15 +39,27 @@ def test_untraceable_model_names_model_and_quotes_export():
 
 
 def test_op_without_rule_is_replicated_with_one_warning():
+    # with discovery off (or when it finds nothing), an op without a hand rule runs whole
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = autopar.plan(Flipper().eval(), (torch.randn(8, 8),), mesh=(2, 2))
+        plan = autopar.plan(Flipper().eval(), (torch.randn(8, 8),), mesh=(2, 2), discover_rules=False)
     missing = [w for w in caught if issubclass(w.category, MissingRuleWarning)]
     assert len(missing) == 1
     assert "aten.flip.default" in str(missing[0].message) and "aten.cummax.default" in str(missing[0].message)
     assert "aten.flip.default" in plan.unruled_ops
     flip = next(n for n in plan.nodes if n.op == "aten.flip.default")
     assert flip.outputs[0].is_replicated() and all(s.is_replicated() for s in flip.inputs)
+
+
+def test_op_without_hand_rule_gets_discovered_rules():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.plan(Flipper().eval(), (torch.randn(8, 8),), mesh=(2, 2))
+    assert not [w for w in caught if issubclass(w.category, MissingRuleWarning)]
+    assert {"aten.flip.default", "aten.cummax.default"} <= set(plan.discovered_ops) and not plan.unruled_ops
+    flip = next(n for n in plan.nodes if n.op == "aten.flip.default")
+    assert len(flip.options) > 1  # more than replication to choose from
+    assert "sharded by discovered rules" in plan.summary()
 
 
 @pytest.mark.parametrize("mesh", [(0, 2), (2, -1), (), "2x4", (2.0, 2)])

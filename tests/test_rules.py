@@ -23,6 +23,21 @@ def ints(high, *shape):
 
 
 CASES = {
+    "min_other": (aten.min.other, (rnd(4, 4), rnd(4)), {}),
+    "copy": (aten.copy.default, (rnd(4, 4), rnd(4)), {}),
+    "fill_tensor": (aten.fill.Tensor, (rnd(4, 4), torch.tensor(3.0)), {}),
+    "conv2d": (aten.conv2d.default, (rnd(4, 4, 6, 6), rnd(8, 4, 3, 3), rnd(8), [1, 1], [1, 1]), {}),
+    "conv2d_nobias": (aten.conv2d.default, (rnd(4, 4, 6, 6), rnd(8, 4, 3, 3)), {}),
+    "conv2d_groups": (aten.conv2d.default, (rnd(4, 4, 6, 6), rnd(8, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 2), {}),
+    "conv1d": (aten.conv1d.default, (rnd(4, 4, 8), rnd(8, 4, 3), rnd(8)), {}),
+    "max_pool2d": (aten.max_pool2d.default, (rnd(4, 4, 8, 8), [2, 2]), {}),
+    "avg_pool2d": (aten.avg_pool2d.default, (rnd(4, 4, 8, 8), [3, 3], [1, 1], [1, 1]), {}),
+    "adaptive_avg_pool2d": (aten.adaptive_avg_pool2d.default, (rnd(4, 4, 8, 8), [1, 1]), {}),
+    "batch_norm_eval": (aten.batch_norm.default, (rnd(4, 4, 6, 6), rnd(4), rnd(4), rnd(4), rnd(4).abs() + 0.5,
+                                                  False, 0.1, 1e-5, False), {}),
+    "batch_norm_batch_stats": (aten.batch_norm.default, (rnd(4, 4, 6, 6), rnd(4), rnd(4), None, None, True, 0.1,
+                                                         1e-5, False), {}),
+    "group_norm": (aten.group_norm.default, (rnd(4, 4, 6, 6), 2, rnd(4), rnd(4), 1e-5, False), {}),
     "mm": (aten.mm.default, (rnd(4, 8), rnd(8, 4)), {}),
     "addmm": (aten.addmm.default, (rnd(4), rnd(8, 4), rnd(4, 4)), {}),
     "bmm": (aten.bmm.default, (rnd(2, 4, 8), rnd(2, 8, 4)), {}),

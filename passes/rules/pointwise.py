@@ -42,6 +42,10 @@ NONLINEAR_BINARY = {
     aten.logical_and.default, aten.logical_or.default, aten.maximum.default, aten.minimum.default,
     aten.pow.Tensor_Tensor, aten.masked_fill.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar,
     aten.rsub.Tensor, aten.atan2.default, aten.remainder.Tensor, aten.floor_divide.default,
+    aten.min.other, aten.max.other,
+    # functional forms of in-place writes (passes/trace.py): the result is `src` / `value`
+    # broadcast to self's shape
+    aten.copy.default, aten.fill.Tensor,
 }
 
 
