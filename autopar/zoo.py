@@ -58,8 +58,10 @@ ZOO: dict[str, dict[str, Any]] = {
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "bert-tiny": dict(family="bert", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                       num_attention_heads=4, vocab_size=64),
-    # grouped-query attention with 2 K/V heads for 4 query heads, sliding-window attention
-    "mistral-tiny": dict(family="mistral", num_key_value_heads=2, **TINY_DECODER),
+    # grouped-query attention, 6 query heads over 2 K/V heads: heads do not divide a 4-way
+    # axis; sliding-window attention
+    "mistral-tiny": dict(family="mistral", **{**TINY_DECODER, "hidden_size": 48, "num_attention_heads": 6},
+                         num_key_value_heads=2, head_dim=8),
     # GQA with biased q/k/v projections
     "qwen2-tiny": dict(family="qwen2", num_key_value_heads=2, **TINY_DECODER),
     # multi-query attention (one K/V head), explicit head_dim

@@ -23,6 +23,10 @@ def ints(high, *shape):
 
 
 CASES = {
+    # mixture of experts: 6 routed rows over 3 experts (cumulative row offsets 2, 4, 6)
+    "grouped_mm": (aten._grouped_mm.default, (rnd(6, 16), rnd(3, 16, 16), torch.tensor([2, 4, 6], dtype=torch.int32)),
+                   {}),
+    "index_put_rows": (aten.index_put.default, (rnd(6, 8), [torch.tensor([4, 0, 2])], rnd(3, 8)), {}),
     "min_other": (aten.min.other, (rnd(4, 4), rnd(4)), {}),
     "copy": (aten.copy.default, (rnd(4, 4), rnd(4)), {}),
     "fill_tensor": (aten.fill.Tensor, (rnd(4, 4), torch.tensor(3.0)), {}),
@@ -118,6 +122,18 @@ def _count(name, mesh=(2, 2)):
     target, args, kwargs = CASES[name]
     call, _ = op_call_of(target, args, kwargs)
     return expand(rule_for(target)(call), call, mesh)
+
+
+def test_transformers_grouped_mm_fallback_has_the_grouped_mm_rule():
+    from transformers.integrations import moe  # noqa: F401 - registers the op
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    args = (rnd(6, 4), rnd(3, 4, 8), torch.tensor([2, 4, 6], dtype=torch.int32))
+    call, _ = op_call_of(op, args, {})
+    rules = rule_for(op)(call)
+    assert len(rules) == 5
+    expected = op(*args)
+    for i, s in enumerate(expand(rules, call, (2, 2))):
+        torch.testing.assert_close(run_sharded(op, args, {}, s, (2, 2), seed=i)[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_mm_strategy_count():

@@ -16,7 +16,7 @@ from tests.harness import run_ranks
 
 # (model, what it brings)
 ZOO = [
-    ("mistral-tiny", "GQA causal LM, sliding-window attention"),
+    ("mistral-tiny", "GQA causal LM, 6 heads / 2 K/V heads (not divisible by 4), sliding window"),
     ("qwen2-tiny", "GQA with biased q/k/v"),
     ("gemma-tiny", "multi-query attention (1 K/V head), tied embeddings"),
     ("phi-tiny", "partial rotary embedding, parallel attention+MLP"),

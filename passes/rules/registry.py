@@ -68,6 +68,7 @@ class Strategy:
 
 RuleFn = Callable[[OpCall], list[AxisRule]]
 _RULES: dict[Any, RuleFn] = {}
+_RULES_BY_NAME: dict[str, RuleFn] = {}  # ops of libraries that register them at import (transformers::...)
 
 
 def register(*targets: Any) -> Callable[[RuleFn], RuleFn]:
@@ -78,12 +79,22 @@ def register(*targets: Any) -> Callable[[RuleFn], RuleFn]:
     return deco
 
 
+def register_name(*names: str) -> Callable[[RuleFn], RuleFn]:
+    """Register by the op's qualified overload name ('transformers.grouped_mm_fallback.default'),
+    for ops that may not exist when autopar is imported."""
+    def deco(fn: RuleFn) -> RuleFn:
+        for n in names:
+            _RULES_BY_NAME[n] = fn
+        return fn
+    return deco
+
+
 def rule_for(target: Any) -> Optional[RuleFn]:
-    return _RULES.get(target)
+    return _RULES.get(target) or _RULES_BY_NAME.get(str(target))
 
 
 def registered_targets() -> frozenset:
-    return frozenset(_RULES)
+    return frozenset(_RULES) | frozenset(_RULES_BY_NAME)
 
 
 def replicate_rule(call: OpCall) -> list[AxisRule]:
