@@ -86,7 +86,7 @@ def test_llama3_8b_shape_plans_without_weights():
 
 def test_evaluate_prices_every_plan_as_the_solver_does():
     mesh = (2, 4)
-    model, args, kwargs = build("llama-tiny", training=True, batch=8)
+    model, args, kwargs = build("gpt2-tiny", training=True, batch=8)
     auto = _plan(model, args, kwargs, mesh=mesh)
     mine = evaluate(auto)
     assert mine.total_s == pytest.approx(auto.total_s, rel=1e-12)
