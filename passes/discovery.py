@@ -22,9 +22,10 @@ shows: value-dependent branches (thresholds, NaN/inf handling), integer inputs u
 indices (drawn from {0, 1}, so out-of-shard indices are exercised but large ones not),
 and coincidences on tiny integer tensors. Guards: two draws and two shard counts; a
 candidate must hold on every output; ops that are not deterministic on equal inputs
-(random ops) and ops whose inputs exceed DISCOVERY_MAX_ELEMENTS are never tried;
-hand-written rules always take priority; and Options.discover_rules=False turns
-discovery off. autopar.verify checks a whole plan on the real data.
+(random ops), ops that write their inputs, and ops whose inputs exceed
+DISCOVERY_MAX_ELEMENTS are never tried; hand-written rules always take priority; and
+Options.discover_rules=False turns discovery off. autopar.verify checks a whole plan
+on the real data.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ SEEDS = (0, 1)
 def discover(call: OpCall) -> Optional[list[AxisRule]]:
     """Every verified per-axis rule of `call` (replication first), or None when the op
     cannot be tried (no tensor inputs, too large, random, or failing on random data)."""
-    if not call.inputs or not call.outputs:
+    if not call.inputs or not call.outputs or _writes_inputs(call.target):
         return None
     if sum(prod(m.shape) for m in call.inputs + call.outputs) > DISCOVERY_MAX_ELEMENTS:
         return None
@@ -68,6 +69,13 @@ def _discover_cached(key: tuple, call: OpCall) -> Optional[tuple[AxisRule, ...]]
     if key not in _CACHE:
         _CACHE[key] = _discover(call)
     return _CACHE[key]
+
+
+def _writes_inputs(target: Any) -> bool:
+    """In-place and out= ops would change the shared random inputs between candidates
+    (traced graphs are functional where it matters: passes/trace.py)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def cache_clear() -> None:

@@ -91,6 +91,8 @@ def test_random_ops_and_huge_ops_are_not_tried():
     call, _ = op_call_of(aten.flip.default, (torch.randn(4, 6), [0]), {})
     huge = TensorMeta((4096, 4096), torch.float32)
     assert discovery.discover(replace(call, inputs=(huge,), outputs=(huge,))) is None
+    call, _ = op_call_of(aten.add_.Tensor, (torch.randn(4, 6), torch.randn(4, 6)), {})
+    assert discovery.discover(call) is None  # writes its input
 
 
 def test_results_are_cached_per_signature():
