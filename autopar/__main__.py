@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--mesh", type=_mesh, default=(2, 4), help="mesh shape (default 2,4)")
     sp.add_argument("--device", default="cpu", help="cost-model preset: cpu, a100, h100, h200")
     sp.add_argument("--training", action="store_true", help="plan training steps")
+    sp.add_argument("--ops", action="store_true", help="also list the ops hand-written rules covered")
     return p
 
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             from autopar.options import Options
             names = args.models or [n for n in zoo.names() if n.endswith("-tiny")]
             rows = coverage(names, args.mesh, Options(device=args.device, training=args.training))
-            print(report(rows, args.mesh))
+            print(report(rows, args.mesh, hand_ops=args.ops))
             return 1 if any(r.error for r in rows) else 0
     except (AutoparError, ValueError, ImportError) as e:
         print(f"autopar: {e}", file=sys.stderr)

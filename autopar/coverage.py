@@ -1,7 +1,7 @@
 """Which rules sharded each model: hand-written, discovered by experiment, or none
 (replicated), and the plan's predicted step time against running every op replicated.
 
-    python -m autopar coverage [models...] [--mesh 2,4] [--device cpu] [--training]
+    python -m autopar coverage [models...] [--mesh 2,4] [--device cpu] [--training] [--ops]
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def coverage(names: list[str], mesh: tuple[int, ...], options: Optional[Options]
     return [coverage_of(n, mesh, options or Options()) for n in names]
 
 
-def report(rows: list[CoverageRow], mesh: tuple[int, ...]) -> str:
+def report(rows: list[CoverageRow], mesh: tuple[int, ...], hand_ops: bool = False) -> str:
+    """`hand_ops`: also list the ops hand-written rules sharded (discovered and replicated
+    ones are always listed)."""
     lines = [f"coverage on mesh {mesh}: op nodes by rule source; predicted ms/step vs all-replicated",
              f"{'model':<15} {'hand':>5} {'disc':>5} {'repl':>5} {'plan ms':>9} {'repl ms':>9} {'speedup':>7}"]
     for r in rows:
@@ -74,7 +76,7 @@ def report(rows: list[CoverageRow], mesh: tuple[int, ...]) -> str:
         count = {k: sum(c.values()) for k, c in r.ops.items()}
         lines.append(f"{r.model:<15} {count['hand']:5d} {count['discovered']:5d} {count['replicated']:5d} "
                      f"{r.plan_s * 1e3:9.3f} {r.replicated_s * 1e3:9.3f} {r.speedup:6.2f}x")
-        for source in ("discovered", "replicated"):
+        for source in ("hand", "discovered", "replicated") if hand_ops else ("discovered", "replicated"):
             if r.ops[source]:
                 lines.append(f"    {source}: " + ", ".join(f"{op} x{k}" for op, k in sorted(r.ops[source].items())))
     return "\n".join(lines)

@@ -148,7 +148,7 @@ def test_cli_plan_show_diff_code(tmp_path):
 def test_cli_coverage_reports_rule_sources():
     # Mixtral's routing: the grouped expert matmuls and index_put have hand rules; histc
     # (counting tokens per expert) has none and is sharded by a discovered rule
-    r = _cli("coverage", "gpt2-tiny", "mixtral-tiny", "--mesh", "2,2")
+    r = _cli("coverage", "gpt2-tiny", "mixtral-tiny", "--mesh", "2,2", "--ops")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     gpt2 = next(line for line in lines if line.startswith("gpt2-tiny")).split()
@@ -156,6 +156,7 @@ def test_cli_coverage_reports_rule_sources():
     mixtral = next(line for line in lines if line.startswith("mixtral-tiny")).split()
     assert mixtral[2:4] == ["2", "0"]
     assert "discovered: aten.histc.default x2" in r.stdout and "replicated:" not in r.stdout
+    assert "transformers.grouped_mm_fallback.default x4" in r.stdout  # listed among the hand-ruled ops
     assert "speedup" in lines[1]
 
 
