@@ -10,8 +10,8 @@ plan here is therefore the *best* plan of its style, a strict baseline.
     megatron       column-parallel layers (q/k/v, gate/up, c_attn, c_fc, intermediate)
                    split their output dim, row-parallel layers (o_proj, down_proj,
                    c_proj, output.dense) their input dim, over the whole mesh; the LM
-                   head splits the vocabulary; norms and embeddings replicated; inputs
-                   replicated
+                   head and the embedding tables split the vocabulary where it divides
+                   (vocab-parallel embedding); norms replicated; inputs replicated
     dp_tp          Megatron on the last mesh axis, data parallel on the others
     fsdp           every parameter stored split along its first dim over the whole mesh
                    (ZeRO-3) and gathered where it is used; inputs split by batch
@@ -52,7 +52,8 @@ def _on(axes: tuple[int, ...], placement: Placement, mesh_shape: tuple[int, ...]
 
 
 def tensor_parallel_params(model: nn.Module, mesh_shape: tuple[int, ...], tp_axes: tuple[int, ...]) -> dict:
-    """Megatron's column/row split of every linear layer over `tp_axes` (where it divides)."""
+    """Megatron's column/row split of every linear layer, and the vocabulary split of
+    every embedding table, over `tp_axes` (where it divides)."""
     ndim, ways = len(mesh_shape), prod(mesh_shape[a] for a in tp_axes)
     pins: dict[str, tuple] = {}
     for name, module in model.named_modules():
@@ -60,6 +61,8 @@ def tensor_parallel_params(model: nn.Module, mesh_shape: tuple[int, ...], tp_axe
         for pname, param in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             pins[full] = (R,) * ndim
+            if isinstance(module, nn.Embedding) and pname == "weight" and param.shape[0] % ways == 0:
+                pins[full] = _on(tp_axes, Shard(0), mesh_shape)  # vocab-parallel embedding
             if kind is None:
                 continue
             row = bool(ROW_PARALLEL.search(name))

@@ -94,7 +94,9 @@ class CostModel:
 
     def step_cost(self, step: Step) -> Cost:
         fwd = self._collective_s(step.kind, step)
-        bwd = self._collective_s(step.backward, step) if self.training else 0.0
+        # integer and boolean values (ids, masks) carry no gradient: their backward never runs
+        differentiable = step.before is None or step.before.meta.dtype.is_floating_point
+        bwd = self._collective_s(step.backward, step) if self.training and differentiable else 0.0
         return Cost(comm_s=fwd + bwd)
 
     def steps_cost(self, steps: tuple[Step, ...]) -> Cost:

@@ -130,7 +130,8 @@ class OpSample:
 
 def samples_of(graph, mesh_shape: tuple[int, ...]) -> list[OpSample]:
     """Every distinct op call at the local shapes of every candidate strategy."""
-    from autopar.passes.rewrite import localize_args
+    from autopar.passes.rewrite import localize_call
+    origin = (0,) * len(mesh_shape)  # what rank 0 runs; every rank runs the same shapes
     seen: dict[str, OpSample] = {}
     for n in graph.nodes:
         if n.call is None:
@@ -140,8 +141,8 @@ def samples_of(graph, mesh_shape: tuple[int, ...]) -> list[OpSample]:
             outs = tuple(TensorMeta(x.local_shape(mesh_shape), x.meta.dtype) for x in s.outputs)
             key = compute_key(n.call.target, ins, outs)
             if key not in seen:
-                args = localize_args(n.call.target, n.call.args, s.outputs, mesh_shape)
-                seen[key] = OpSample(key, n.call.target, args, n.call.kwargs, ins, outs)
+                target, args = localize_call(n.call.target, n.call.args, s.inputs, s.outputs, mesh_shape, origin)
+                seen[key] = OpSample(key, target, args, n.call.kwargs, ins, outs)
     return list(seen.values())
 
 

@@ -41,7 +41,7 @@ def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...],
             f"plan was made for a different graph (fingerprint {plan.fingerprint}, model {plan.model_name}) than "
             f"the traced {traced.model_name} (fingerprint {traced.fingerprint}); re-plan for this model and inputs")
     comms = comms if comms is not None else tuple(None for _ in plan.mesh.shape)
-    gm = rewrite(traced, plan, comms, device, defer_grad_sync)
+    gm = rewrite(traced, plan, comms, device, defer_grad_sync, coords)
     specs = tuple(plan.node(gi.name).outputs[0] for gi in traced.inputs)
     return RankProgram(gm, traced.inputs, specs, coords)
 

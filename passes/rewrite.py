@@ -21,7 +21,9 @@ from torch import fx, nn
 
 from autopar import _compat
 from autopar.collectives import AxisComm, StepModule
+from autopar.placement import block_index
 from autopar.plan import EdgePlan, Plan
+from autopar.passes.local_ops import embedding_block
 from autopar.passes.strategies import OUTPUT
 from autopar.passes.trace import TracedGraph
 
@@ -38,7 +40,8 @@ LOCAL_TARGET = {aten.view.default: aten.reshape.default, aten._unsafe_view.defau
 
 
 def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ...],
-            device: Optional[torch.device] = None, defer_grad_sync: bool = False) -> fx.GraphModule:
+            device: Optional[torch.device] = None, defer_grad_sync: bool = False,
+            coords: Optional[tuple[int, ...]] = None) -> fx.GraphModule:
     """`device`: where this rank runs; ops that create tensors on the traced device
     (arange(device=...)) create them there instead (a model traced on meta, or rank r on cuda:r).
     `defer_grad_sync`: leave data-parallel gradient syncs of parameters to the runtime's
@@ -76,11 +79,13 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
             env[node.name] = graph.output(_map_tensor_args(node.args[0], OUTPUT, env, edges, resharded))
         elif node.op == "call_function":
             args, kwargs = _map_tensor_args((node.args, node.kwargs), node.name, env, edges, resharded)
+            target = node.target
             if node.name in choice:
-                args = localize_args(node.target, tuple(args), choice[node.name].outputs, mesh_shape)
+                target, args = localize_call(target, tuple(args), choice[node.name].inputs,
+                                             choice[node.name].outputs, mesh_shape, coords)
             if device is not None and isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": device}
-            target = LOCAL_TARGET.get(node.target, node.target)
+            target = LOCAL_TARGET.get(target, target)
             new = graph.create_node("call_function", target, tuple(args), dict(kwargs), name=node.name)
             _copy_meta(node, new, choice)
             env[node.name] = new
@@ -114,6 +119,20 @@ def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[in
     if target in SIZE_ARG_OPS and outputs:
         return (args[0], list(outputs[0].local_shape(mesh_shape))) + tuple(args[2:])
     return args
+
+
+def localize_call(target: Any, args: tuple, inputs: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
+                  coords: Optional[tuple[int, ...]]) -> tuple[Any, tuple]:
+    """The (target, args) the rank at `coords` runs for a node under a strategy with
+    these input and output specs: shape arguments made local, and ops whose sharded form
+    is another op (passes/local_ops.py) replaced."""
+    args = localize_args(target, args, outputs, mesh_shape)
+    if target is aten.embedding.default and inputs and inputs[0].shard_axes(0):
+        if coords is None:
+            raise ValueError("a vocabulary-split embedding needs the rank's mesh coordinates")
+        start = block_index(inputs[0], mesh_shape, coords)[0].start
+        return embedding_block, (args[0], args[1], start) + tuple(args[2:])
+    return target, args
 
 
 def _map_tensor_args(tree: Any, consumer: str, env: dict, edges: dict, resharded) -> Any:

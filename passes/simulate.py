@@ -18,7 +18,7 @@ import torch
 
 from autopar import _compat
 from autopar.placement import Partial, Replicate, Shard, Spec, TensorMeta, local_chunk
-from autopar.passes.rewrite import localize_args
+from autopar.passes.rewrite import localize_call
 from autopar.passes.rules import OpCall, Strategy, TensorArg
 
 
@@ -106,8 +106,9 @@ def run_sharded(target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh
         for k, i in enumerate(tensor_pos):
             local_leaves[i] = blocks[k][coords]
         largs, lkwargs = _compat.tree_unflatten(local_leaves, tree)
-        largs = localize_args(target, tuple(largs), strategy.outputs, mesh_shape)
-        out = target(*largs, **lkwargs)
+        local_target, largs = localize_call(target, tuple(largs), strategy.inputs, strategy.outputs, mesh_shape,
+                                            coords)
+        out = local_target(*largs, **lkwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for j, o in enumerate(outs):
             per_output[j][coords] = o

@@ -400,3 +400,42 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
     grads = {k: (pm.shards.get_parameter(k).grad,
                  local_chunk(p.grad, pm._state_specs[k], pm.mesh.shape, pm.coords)) for k, p in ref.named_parameters()}
     return {"deferred": deferred, "code": pm.code, "grads": grads}
+
+
+def forced_plan(model, args: tuple, mesh: tuple, op: str, keep):
+    """The best plan in which every `op` node runs a strategy `keep(strategy)` accepts: a
+    way to run a strategy the costs would not pick on a tiny model."""
+    from dataclasses import replace
+    from autopar.cost_models.model import CostModel
+    from autopar.mesh import Mesh
+    from autopar.options import Options
+    from autopar.passes.solve import solve
+    from autopar.passes.strategies import annotate
+    from autopar.passes.trace import trace
+    graph = annotate(trace(model, args), Mesh(mesh))
+    nodes = tuple(replace(n, strategies=tuple(s for s in n.strategies if keep(s))) if n.op == op else n
+                  for n in graph.nodes)
+    graph = replace(graph, nodes=nodes, by_name={n.name: n for n in nodes})
+    return solve(graph, CostModel.analytic("cpu", mesh, model.training), Options())
+
+
+def vocab_parallel_embedding(rank: int, world: int, mesh: tuple) -> dict:
+    """An embedding split by vocabulary (each rank looks up its own rows, partial sums
+    all-reduced), forced, against one device: output and gradients."""
+    import copy
+    torch.manual_seed(0)
+    m = models.BigVocab(vocab=64, hidden=3).train()
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+    ref_model = copy.deepcopy(m)
+    ref_out = ref_model(ids)
+    _loss(ref_out).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = forced_plan(m, (ids,), mesh, "aten.embedding.default",
+                           lambda s: all(p == autopar.Shard(0) for p in s.inputs[0].placements))
+        pm = autopar.compile(m, (ids,), mesh=mesh, plan=plan)
+    out = pm(ids)
+    _loss(out).backward()
+    grads = _grad_pairs(pm, {k: p.grad for k, p in ref_model.named_parameters()}, rank)
+    return {"reference": [ref_out.detach()], "parallel": [out.detach()], "grads": grads,
+            "embedding": str(plan.node("embedding").outputs[0]), "weight": str(plan.node("p_embed_weight").outputs[0])}

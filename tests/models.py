@@ -96,3 +96,17 @@ class TinyResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layer2(self.layer1(self.stem(x)))
         return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class BigVocab(nn.Module):
+    """A large vocabulary over a narrow hidden size: the embedding table dominates, so
+    splitting it by vocabulary (each rank looks up its rows, partial sums all-reduced)
+    beats gathering it."""
+
+    def __init__(self, vocab: int = 4096, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(self.embed(ids)))

@@ -31,6 +31,7 @@ def four_ranks():
     batch += [(cases.lazy_signatures, dict(mesh=(2, 2)))]
     batch += [(cases.gradient_equivalence, dict(model=m, mesh=(2, 2), batch=4, style=s))
               for m in HAND_MODELS for s in HAND_STYLES]
+    batch += [(cases.vocab_parallel_embedding, dict(mesh=(2, 2)))]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -116,3 +117,14 @@ def test_hand_plans_run_and_match(four_ranks, model, style):
     assert placements["input_0"] == want_input, placements["input_0"]
     assert placements[weight] == want_weight.replace("d", out_dim), placements[weight]
     assert placements[norm[model]] == want_norm, placements[norm[model]]
+
+
+def test_vocab_parallel_embedding_matches(four_ranks):
+    # the table split by vocabulary over both axes; each rank looks up only its rows
+    # (passes/local_ops.py) and the partial sums are all-reduced
+    per_rank = four_ranks[_key(cases.vocab_parallel_embedding, dict(mesh=(2, 2)))]
+    assert per_rank[0]["weight"] == "S(0)S(0)" and per_rank[0]["embedding"] == "PP"
+    _check_forward(per_rank)
+    for rank, res in enumerate(per_rank):
+        for name, (got, want, spec) in res["grads"].items():
+            torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank}: grad of {name} ({spec}): {m}")

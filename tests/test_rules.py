@@ -23,6 +23,7 @@ def ints(high, *shape):
 
 
 CASES = {
+    "embedding_padding": (aten.embedding.default, (rnd(8, 4), torch.tensor([[0, 7, 3], [5, 1, 6]]), 5), {}),
     # mixture of experts: 6 routed rows over 3 experts (cumulative row offsets 2, 4, 6)
     "grouped_mm": (aten._grouped_mm.default, (rnd(6, 16), rnd(3, 16, 16), torch.tensor([2, 4, 6], dtype=torch.int32)),
                    {}),
