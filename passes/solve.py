@@ -24,6 +24,11 @@ side needs no x: its cost is a plain term on the other side's s. Unreachable pai
 Followers (Options.follow): a single-input op follows its producer, taking for each
 producer choice its cheapest strategy; getitem follows its tuple; a placeholder used
 once follows its consumer and is stored in the layout the consumer reads.
+
+Clustering (Options.cluster_layers, passes/clusters.py): the groups of a repeated block
+reuse the s variables of their twin in the first such block, and an edge whose two ends
+have the same representatives as an earlier edge reuses its x variables; every copy
+still adds its own cost terms, so the objective prices each block and each boundary.
 """
 
 from __future__ import annotations
