@@ -114,19 +114,22 @@ def input_pins(traced, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...])
     return pins
 
 
+def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str) -> dict:
+    """Parameter and user-input layouts of `style` for the traced model (the `pinned`
+    argument of autopar.planning.plan_traced)."""
+    if style not in STYLES:
+        raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
+    layout = STYLES[style](model, mesh_shape)
+    return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes)}
+
+
 def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any,
               style: str = "megatron", **option_overrides: Any):
     """The best complete Plan whose parameters and inputs are laid out as `style` prescribes."""
     from autopar.mesh import Mesh
-    from autopar.planning import _options, inputs_on_meta, plan_traced
-    from autopar.passes.trace import trace
-    if style not in STYLES:
-        raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
+    from autopar.planning import _options, plan_traced, trace_for_planning
     mesh_ = Mesh.of(mesh)
-    layout = STYLES[style](model, mesh_.shape)
-    args = tuple(args)
-    if any(p.device.type == "meta" for p in model.parameters()):
-        args, kwargs = inputs_on_meta(args, kwargs or {})
-    traced = trace(model, args, kwargs)
-    pins = {**layout.params, **input_pins(traced, mesh_.shape, layout.batch_axes)}
-    return plan_traced(traced, mesh_, _options(None, option_overrides), pins)[1]
+    if style not in STYLES:  # before tracing: a typo should not cost a trace
+        raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
+    traced = trace_for_planning(model, args, kwargs)
+    return plan_traced(traced, mesh_, _options(None, option_overrides), hand_pins(model, traced, mesh_.shape, style))[1]

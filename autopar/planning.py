@@ -50,12 +50,16 @@ def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, m
     """Plan `model` for `mesh` offline (no process group): the Plan autopar.compile
     would run. Keyword overrides go to Options (e.g. device="h100", training=True)."""
     opts = _options(options, option_overrides)
-    mesh_ = Mesh.of(mesh)
+    return plan_traced(trace_for_planning(model, args, kwargs), Mesh.of(mesh), opts)[1]
+
+
+def trace_for_planning(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None) -> TracedGraph:
+    """Trace with example inputs; a model without weights (meta device) plans on shapes
+    alone, so its inputs move to meta too."""
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     if any(p.device.type == "meta" for p in model.parameters()):
-        args, kwargs = inputs_on_meta(args, kwargs or {})  # a model without weights plans on shapes alone
-    traced = trace(model, args, kwargs)
-    return plan_traced(traced, mesh_, opts)[1]
+        args, kwargs = inputs_on_meta(args, kwargs or {})
+    return trace(model, args, kwargs)
 
 
 def inputs_on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -26,12 +26,12 @@ from autopar.options import Options
 from autopar.placement import Placement
 from autopar.plan import Plan
 from autopar.state import ShardedStateMethods
-from autopar.planning import inputs_on_meta, plan_traced
+from autopar.planning import plan_traced, trace_for_planning
 from autopar.cost_models.profile import (COLLECTIVES, Profile, calibrate, measure_contention, profile_compute,
                                          samples_of)
 from autopar.passes.strategies import annotate
 from autopar.passes.emit import RankProgram, emit, shard
-from autopar.passes.trace import TracedGraph, flatten_inputs, trace
+from autopar.passes.trace import TracedGraph, flatten_inputs
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         # check below, so no rank is left waiting in a collective
         traced, plan, problem = None, None, None
         try:
-            traced = trace(self._model, *inputs_on_meta(args, kwargs)) if self.on_meta else trace(self._model, args, kwargs)
+            traced = trace_for_planning(self._model, args, kwargs)
         except Exception as e:  # noqa: BLE001
             problem = e
         if self._given_plan is None:

@@ -91,14 +91,6 @@ def names() -> list[str]:
     return sorted(ZOO)
 
 
-def family_of(name: str) -> str:
-    return ZOO[name]["family"]
-
-
-def is_causal_lm(name: str) -> bool:
-    return FAMILIES[family_of(name)][2] == "causal"
-
-
 def build(name: str, batch: int = 4, seq: int = 32, training: bool = False, seed: int = 0,
           device: str = "cpu", **config_overrides: Any) -> tuple:
     """(model, args, kwargs) for a zoo name, or for 'package.module:factory' where factory()

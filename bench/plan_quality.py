@@ -18,11 +18,10 @@ import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from autopar.hand_plans import STYLES, input_pins  # noqa: E402
+from autopar.hand_plans import STYLES, hand_pins  # noqa: E402
 from autopar.mesh import Mesh  # noqa: E402
 from autopar.options import Options  # noqa: E402
-from autopar.passes.trace import trace  # noqa: E402
-from autopar.planning import inputs_on_meta, plan_traced  # noqa: E402
+from autopar.planning import plan_traced, trace_for_planning  # noqa: E402
 from autopar.zoo import build  # noqa: E402
 
 MODELS = ("gpt2-small", "llama-small")
@@ -45,16 +44,13 @@ def main() -> None:
     for name in MODELS:
         for training in (True, False):
             model, a, kw = build(name, batch=args.batch, seq=args.seq, training=training, device="meta")
-            a, kw = inputs_on_meta(a, kw)
-            traced = trace(model, a, kw)
+            traced = trace_for_planning(model, a, kw)
             options = Options(device=args.device, training=training)
             for shape in MESHES:
                 mesh = Mesh.of(shape)
                 hands = {}
                 for style in styles:
-                    layout = STYLES[style](model, shape)
-                    pins = {**layout.params, **input_pins(traced, shape, layout.batch_axes)}
-                    hands[style] = plan_traced(traced, mesh, options, pins)[1].total_s
+                    hands[style] = plan_traced(traced, mesh, options, hand_pins(model, traced, shape, style))[1].total_s
                 auto = plan_traced(traced, mesh, options)[1].total_s
                 ratio = auto / min(hands.values())
                 worst = max(worst, ratio)

@@ -75,6 +75,7 @@ def cluster(graph: AnnotatedGraph, block_of: dict[str, tuple[str, int]], members
     for n in graph.nodes:
         if n.name in block_of:
             blocks.setdefault(block_of[n.name], []).append(n.name)
+    position = {name: i for names in blocks.values() for i, name in enumerate(names)}
     consumers: dict[str, list[str]] = {}
     for n in graph.nodes:
         for u, _ in n.inputs:
@@ -83,7 +84,7 @@ def cluster(graph: AnnotatedGraph, block_of: dict[str, tuple[str, int]], members
     rep = {n.name: n.name for n in graph.nodes}
     shared = 0
     for key, names in sorted(blocks.items()):
-        sig = (key[0], _signature(graph, key, blocks, block_of, members, consumers, mode == "inner"))
+        sig = (key[0], _signature(graph, key, names, block_of, position, members, consumers, mode == "inner"))
         first = firsts.setdefault(sig, names)
         if first is names:
             continue
@@ -93,19 +94,18 @@ def cluster(graph: AnnotatedGraph, block_of: dict[str, tuple[str, int]], members
     return Blocks(block_of, rep, shared)
 
 
-def _context(u: str, block_of: dict, blocks: dict, key: tuple[str, int]) -> tuple:
+def _context(u: str, block_of: dict, position: dict, key: tuple[str, int]) -> tuple:
     """Where a value entering or leaving the block comes from or goes to, relative to
     the block: a node of the previous or next block (the same for every inner block of
     a stack), or one fixed node (a mask, an embedding, the final norm)."""
     there = block_of.get(u)
     if there is not None and there[0] == key[0]:
-        return ("block", there[1] - key[1], blocks[there].index(u))
+        return ("block", there[1] - key[1], position[u])
     return ("node", u)
 
 
-def _signature(graph: AnnotatedGraph, key: tuple[str, int], blocks: dict, block_of: dict, members: dict,
-               consumers: dict[str, list[str]], with_context: bool) -> tuple:
-    names = blocks[key]
+def _signature(graph: AnnotatedGraph, key: tuple[str, int], names: list[str], block_of: dict, position: dict,
+               members: dict, consumers: dict[str, list[str]], with_context: bool) -> tuple:
     local = {name: i for i, name in enumerate(names)}
     out = []
     for name in names:
@@ -114,7 +114,7 @@ def _signature(graph: AnnotatedGraph, key: tuple[str, int], blocks: dict, block_
         if m.leader not in local:  # a group reaching outside the block: never share
             return ("unique", names[0])
         def context(v: str) -> tuple:
-            return _context(v, block_of, blocks, key) if with_context else ()
+            return _context(v, block_of, position, key) if with_context else ()
         inputs = tuple(("in", local[u], k) if u in local else ("ext", k, context(u)) for u, k in n.inputs)
         leaving = tuple(sorted({context(v) for v in consumers.get(name, ()) if v not in local}))
         out.append((n.op, n.strategies, inputs, leaving, local[m.leader], m.index_map))

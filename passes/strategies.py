@@ -163,24 +163,24 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
         return None
     call = op_call(node, traced.training)
     rule = rule_for(node.target)
-    source = "hand"
-    if rule is None:
-        found = discover(call) if discovered is not None else None
-        if found is not None and len(found) > 1:
-            source, rule = "discovered", (lambda _call, found=found: found)
-            discovered[str(node.target)] = None
-        else:
-            source, rule = "replicated", replicate_rule
-            unruled[str(node.target)] = None
-    try:
-        axis_rules = rule(call)
-    except Exception as e:  # noqa: BLE001 - a broken rule is reported with its node
-        raise RuntimeError(f"sharding rule {getattr(rule, '__name__', source)} failed on {describe_node(node)}: "
-                           f"{e}") from e
+    found = discover(call) if rule is None and discovered is not None else None
+    if rule is not None:
+        source = "hand"
+        try:
+            axis_rules = rule(call)
+        except Exception as e:  # noqa: BLE001 - a broken rule is reported with its node
+            raise RuntimeError(f"sharding rule {rule.__name__} failed on {describe_node(node)}: {e}") from e
+    elif found is not None and len(found) > 1:  # more than replication held
+        source, axis_rules = "discovered", found
+        discovered[str(node.target)] = None
+    else:
+        source, axis_rules = "replicated", replicate_rule(call)
+        unruled[str(node.target)] = None
+    rule_name = rule.__name__ if rule is not None else f"{source} rules"
     for r in axis_rules:
         if len(r.inputs) != len(call.inputs) or len(r.outputs) != len(call.outputs):
             raise RuntimeError(
-                f"sharding rule {rule.__name__} for {describe_node(node)} gave {len(r.inputs)} input / "
+                f"sharding rule {rule_name} for {describe_node(node)} gave {len(r.inputs)} input / "
                 f"{len(r.outputs)} output placements; the op has {len(call.inputs)} tensor inputs and "
                 f"{len(call.outputs)} tensor outputs")
     strategies = expand(axis_rules, call, mesh.shape)

@@ -70,7 +70,8 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
     loss.backward()
     plan = pm.plan
     return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": _grad_pairs(pm, ref_grads, rank),
-            "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements()}
+            "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements(),
+            "shared_blocks": plan.solver.shared_blocks}
 
 
 def _grad_pairs(pm, ref_grads: dict, rank: int) -> dict:

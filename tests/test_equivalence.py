@@ -32,6 +32,7 @@ def four_ranks():
     batch += [(cases.gradient_equivalence, dict(model=m, mesh=(2, 2), batch=4, style=s))
               for m in HAND_MODELS for s in HAND_STYLES]
     batch += [(cases.vocab_parallel_embedding, dict(mesh=(2, 2)))]
+    batch += [(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -128,3 +129,11 @@ def test_vocab_parallel_embedding_matches(four_ranks):
     for rank, res in enumerate(per_rank):
         for name, (got, want, spec) in res["grads"].items():
             torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank}: grad of {name} ({spec}): {m}")
+
+
+def test_clustered_plan_matches(four_ranks):
+    # 4-layer GPT-2: the two inner layers share ILP variables (passes/clusters.py); the
+    # plan they give runs and its loss and gradients equal the single-device model's
+    per_rank = four_ranks[_key(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
+    assert per_rank[0]["shared_blocks"] == 1
+    _check_gradients(per_rank)
