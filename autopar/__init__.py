@@ -3,25 +3,49 @@
     pm = autopar.compile(model, mesh=(2, 4))      # under torchrun, 8 ranks
     plan = autopar.plan(model, args, mesh=(2, 4))  # offline
     autopar.evaluate(plan), autopar.hand_plan(model, args, mesh=(2, 4), style="fsdp")
+
+The public names load lazily (PEP 562 module __getattr__): `import autopar.passes.solve`
+loads the planner and nothing above it (no runtime, no torch.distributed process groups),
+which tests/test_layers.py checks layer by layer.
 """
 
-from autopar.errors import (AutoparError, InputMismatchError, MemoryBudgetError, MeshError, ProcessGroupError, SolverError,
-                            TraceError, UnsupportedModelError)
-from autopar.mesh import Mesh
-from autopar.options import Options
-from autopar.placement import Partial, Replicate, Shard, Spec, TensorMeta
-from autopar.plan import Collective, Plan
-from autopar.api import compile, plan
-from autopar.runtime import ParallelModule
-from autopar.verify import VerifyReport, verify
-from autopar.evaluate import Evaluation, evaluate
-from autopar.hand_plans import hand_plan
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import Any
 
-__all__ = [
-    "compile", "plan", "Plan", "Options", "ParallelModule", "Mesh", "Spec", "TensorMeta", "Shard", "Replicate",
-    "Partial", "Collective", "AutoparError", "TraceError", "UnsupportedModelError", "SolverError", "MeshError",
-    "InputMismatchError", "ProcessGroupError", "MemoryBudgetError", "verify", "VerifyReport",
-    "evaluate", "Evaluation", "hand_plan",
-]
+from autopar._version import __version__
+
+# public name -> the module that defines it (layers: core -> cost_models -> passes -> runtime -> tools/api)
+_EXPORTS = {
+    "Mesh": "autopar.core.mesh", "Options": "autopar.core.options",
+    "Spec": "autopar.core.placement", "TensorMeta": "autopar.core.placement", "Shard": "autopar.core.placement",
+    "Replicate": "autopar.core.placement", "Partial": "autopar.core.placement",
+    "Plan": "autopar.core.plan", "Collective": "autopar.core.plan",
+    "AutoparError": "autopar.core.errors", "TraceError": "autopar.core.errors",
+    "UnsupportedModelError": "autopar.core.errors", "SolverError": "autopar.core.errors",
+    "MeshError": "autopar.core.errors", "InputMismatchError": "autopar.core.errors",
+    "ProcessGroupError": "autopar.core.errors", "MemoryBudgetError": "autopar.core.errors",
+    "PlanFileError": "autopar.core.errors", "FingerprintMismatchError": "autopar.core.errors",
+    "CollectiveError": "autopar.core.errors", "PlanningError": "autopar.core.errors",
+    "evaluate": "autopar.cost_models.evaluate", "Evaluation": "autopar.cost_models.evaluate",
+    "hand_plan": "autopar.passes.hand_plans",
+    "ParallelModule": "autopar.runtime.module",
+    "verify": "autopar.tools.verify", "VerifyReport": "autopar.tools.verify",
+    "compile": "autopar.api", "plan": "autopar.api",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -7,10 +7,10 @@ from typing import Any, Optional
 
 from torch import nn
 
-from autopar.mesh import Mesh
-from autopar.options import Options
-from autopar.planning import plan  # noqa: F401 - re-exported
-from autopar.runtime import ParallelModule
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.passes.planning import plan  # noqa: F401 - re-exported
+from autopar.runtime.module import ParallelModule
 
 __all__ = ["compile", "plan"]
 

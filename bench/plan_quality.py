@@ -18,11 +18,11 @@ import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from autopar.hand_plans import STYLES, hand_pins  # noqa: E402
-from autopar.mesh import Mesh  # noqa: E402
-from autopar.options import Options  # noqa: E402
-from autopar.planning import plan_traced, trace_for_planning  # noqa: E402
-from autopar.zoo import build  # noqa: E402
+from autopar.passes.hand_plans import STYLES, hand_pins  # noqa: E402
+from autopar.core.mesh import Mesh  # noqa: E402
+from autopar.core.options import Options  # noqa: E402
+from autopar.passes.planning import plan_traced, trace_for_planning  # noqa: E402
+from autopar.tools.zoo import build  # noqa: E402
 
 MODELS = ("gpt2-small", "llama-small")
 MESHES = ((1, 8), (2, 4), (8, 1))

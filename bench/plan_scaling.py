@@ -20,7 +20,7 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import autopar  # noqa: E402
-from autopar.zoo import build  # noqa: E402
+from autopar.tools.zoo import build  # noqa: E402
 
 SHAPES = (("gpt2-small", {"n_layer": 12}, "GPT-2 12L"), ("gpt2-small", {"n_layer": 24}, "GPT-2 24L"),
           ("gpt2-small", {"n_layer": 48}, "GPT-2 48L"), ("llama3-8b", {}, "Llama-3-8B"))

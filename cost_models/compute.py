@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autopar.placement import TensorMeta
+from autopar.core.placement import TensorMeta
 from autopar.cost_models.devices import DeviceSpec
 
 aten = torch.ops.aten

@@ -13,19 +13,20 @@ from __future__ import annotations
 from math import prod
 from typing import Any, Optional
 
-from autopar.placement import Spec
+from autopar.core.kinds import NodeKind
+from autopar.core.placement import Spec
 from autopar.cost_models.compute import VIEWS
 
 
-def node_bytes(op: str, target: Optional[Any], outputs: tuple[Spec, ...], mesh_shape: tuple[int, ...],
+def node_bytes(kind: NodeKind, target: Optional[Any], outputs: tuple[Spec, ...], mesh_shape: tuple[int, ...],
                training: bool, optimizer_state_bytes: int) -> int:
-    if op == "placeholder:parameter":
+    if kind is NodeKind.PARAMETER:
         spec = outputs[0]
         local = spec.local_nbytes(mesh_shape)
         if training and spec.meta.dtype.is_floating_point:
             local += local + prod(spec.local_shape(mesh_shape)) * optimizer_state_bytes
         return local
-    if op.startswith("placeholder:"):
+    if kind.is_input:
         return outputs[0].local_nbytes(mesh_shape)
     if target is None or target in VIEWS:
         return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from autopar.placement import Spec, TensorMeta
-from autopar.resharding import Step
+from autopar.core.placement import Spec, TensorMeta
+from autopar.core.resharding import Step
 from autopar.cost_models import comm, compute
 from autopar.cost_models.devices import DeviceSpec, Link, preset
 

@@ -53,7 +53,7 @@ def find_blocks(graph: AnnotatedGraph) -> dict[str, tuple[str, int]]:
     targets = {gi.name: gi.target for gi in graph.traced.inputs}
     block_of = {}
     for n in graph.nodes:
-        if n.op.startswith("placeholder"):
+        if n.kind.is_input:
             target = targets.get(n.name)
             path = target if isinstance(target, str) else ""
         else:

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from autopar import _compat
-from autopar.placement import P, Placement, R, Shard, TensorMeta
+from autopar.core.placement import P, Placement, R, Shard, TensorMeta
 from autopar.passes.rules import AxisRule, OpCall, TensorArg, expand
 
 DISCOVERY_MAX_ELEMENTS = 1 << 20  # per call, summed over inputs and outputs

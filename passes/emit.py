@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 from torch import fx
 
-from autopar.collectives import AxisComm
-from autopar.placement import Spec, local_chunk
-from autopar.plan import Plan
+from autopar.core.errors import FingerprintMismatchError
+from autopar.core.placement import Spec, local_chunk
+from autopar.core.plan import Plan
 from autopar.passes.rewrite import rewrite
 from autopar.passes.trace import GraphInput, TracedGraph
 
@@ -32,16 +32,11 @@ class RankProgram:
         return self.gm.code
 
 
-def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...],
-         comms: Optional[tuple[AxisComm, ...]] = None, device: Optional[torch.device] = None,
+def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optional[torch.device] = None,
          defer_grad_sync: bool = False) -> RankProgram:
-    if plan.fingerprint != traced.fingerprint:
-        from autopar.errors import UnsupportedModelError
-        raise UnsupportedModelError(
-            f"plan was made for a different graph (fingerprint {plan.fingerprint}, model {plan.model_name}) than "
-            f"the traced {traced.model_name} (fingerprint {traced.fingerprint}); re-plan for this model and inputs")
-    comms = comms if comms is not None else tuple(None for _ in plan.mesh.shape)
-    gm = rewrite(traced, plan, comms, device, defer_grad_sync, coords)
+    """The program of the rank at `coords`; its reshard steps are unbound (passes/program.py)."""
+    check_fingerprint(plan, traced, "the plan")
+    gm = rewrite(traced, plan, device, defer_grad_sync, coords)
     specs = tuple(plan.node(gi.name).outputs[0] for gi in traced.inputs)
     return RankProgram(gm, traced.inputs, specs, coords)
 
@@ -49,3 +44,12 @@ def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...],
 def shard(full: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:
     """This rank's block of a full tensor, as a fresh contiguous tensor."""
     return local_chunk(full, spec, mesh_shape, coords).contiguous().clone()
+
+
+def check_fingerprint(plan: Plan, traced: TracedGraph, source: str) -> None:
+    """A plan runs only on the graph it was made for; `source` names where it came from."""
+    if plan.fingerprint != traced.fingerprint:
+        raise FingerprintMismatchError(
+            f"{source} was made for {plan.model_name} with graph fingerprint {plan.fingerprint}, but "
+            f"{traced.model_name} with these inputs traces to {traced.fingerprint}; re-plan for this model and "
+            "these input shapes", expected=plan.fingerprint, found=traced.fingerprint)

@@ -20,10 +20,12 @@ import torch
 from torch import fx, nn
 
 from autopar import _compat
-from autopar.collectives import AxisComm, StepModule
-from autopar.placement import block_index
-from autopar.plan import EdgePlan, Plan
+from autopar.core.kinds import NodeKind, StepKind
+from autopar.core.placement import block_index
+from autopar.core.plan import Plan
+from autopar.core.plan_parts import EdgePlan
 from autopar.passes.local_ops import embedding_block
+from autopar.passes.program import StepModule
 from autopar.passes.strategies import OUTPUT
 from autopar.passes.trace import TracedGraph
 
@@ -39,13 +41,13 @@ KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 LOCAL_TARGET = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
-def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ...],
-            device: Optional[torch.device] = None, defer_grad_sync: bool = False,
+def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = None, defer_grad_sync: bool = False,
             coords: Optional[tuple[int, ...]] = None) -> fx.GraphModule:
     """`device`: where this rank runs; ops that create tensors on the traced device
     (arange(device=...)) create them there instead (a model traced on meta, or rank r on cuda:r).
     `defer_grad_sync`: leave data-parallel gradient syncs of parameters to the runtime's
-    bucketed all-reduce (autopar/grad_buckets.py) instead of emitting them."""
+    bucketed all-reduce (autopar/runtime/buckets.py) instead of emitting them. The steps are
+    unbound (passes/program.py): the runtime binds them to its process groups."""
     edges = {(e.consumer, e.position): e for e in plan.edges}
     choice = {n.name: n for n in plan.nodes}
     mesh_shape = plan.mesh.shape
@@ -66,7 +68,7 @@ def rewrite(traced: TracedGraph, plan: Plan, comms: tuple[Optional[AxisComm], ..
             if key not in cache:
                 name = f"ap_{step.kind}_{counter[0]}"
                 counter[0] += 1
-                root.add_module(name, StepModule(step, comms[step.axis], f"{edge.producer} -> {edge.consumer}"))
+                root.add_module(name, StepModule(step, f"{edge.producer} -> {edge.consumer}"))
                 cache[key] = graph.call_module(name, (value,))
             value = cache[key]
         return value
@@ -102,12 +104,12 @@ def deferred_grad_syncs(traced: TracedGraph, plan: Plan) -> dict[str, tuple[int,
     """Parameters whose every use is only a grad_sync over the same axes (the data-parallel
     case): their gradient all-reduce moves out of the program to the end of backward, where
     the runtime buckets all of them together (placeholder name -> axes)."""
-    params = {gi.name for gi in traced.inputs if gi.kind == "parameter"}
+    params = {gi.name for gi in traced.inputs if gi.kind is NodeKind.PARAMETER}
     axes: dict[str, set] = {}
     for e in plan.edges:
         if e.producer not in params:
             continue
-        if not e.steps or any(step.kind != "grad_sync" for step in e.steps):
+        if not e.steps or any(step.kind is not StepKind.GRAD_SYNC for step in e.steps):
             axes[e.producer] = {None}
             continue
         axes.setdefault(e.producer, set()).add(tuple(step.axis for step in e.steps))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from autopar import _compat
-from autopar.placement import Partial, Replicate, Shard, Spec, TensorMeta, local_chunk
+from autopar.core.placement import Partial, Replicate, Shard, Spec, TensorMeta, local_chunk
 from autopar.passes.rewrite import localize_call
 from autopar.passes.rules import OpCall, Strategy, TensorArg
 

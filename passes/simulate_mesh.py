@@ -17,9 +17,9 @@ import torch
 from torch import fx
 
 from autopar import _compat
-from autopar.collectives import StepModule
-from autopar.mesh import Mesh
-from autopar.resharding import Step
+from autopar.passes.program import StepModule
+from autopar.core.mesh import Mesh
+from autopar.core.resharding import Step
 
 
 def _groups(mesh: Mesh, axis: int) -> list[tuple[int, ...]]:

@@ -40,11 +40,13 @@ from typing import Optional
 
 import pulp
 
-from autopar.errors import MemoryBudgetError, SolverError
-from autopar.options import Options
-from autopar.placement import R, Spec
-from autopar.plan import Alternative, EdgePlan, NodeChoice, Plan, SolverReport
-from autopar.resharding import Step, Unreachable, reshard_steps, split_axes
+from autopar.core.errors import MemoryBudgetError, SolverError
+from autopar.core.options import Options
+from autopar.core.kinds import NodeKind
+from autopar.core.placement import R, Spec
+from autopar.core.plan import Plan
+from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverReport
+from autopar.core.resharding import Step, Unreachable, reshard_steps, split_axes
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import MODES, cluster, find_blocks
@@ -100,7 +102,7 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
 
 
 def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
-    return {n.name: [node_bytes(n.op, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
+    return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
                                 costs.training, options.optimizer_state_bytes) for s in n.strategies]
             for n in graph.nodes}
 
@@ -122,7 +124,7 @@ def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, ncost: dict[str, lis
             for pos, (u, _) in enumerate(n.inputs):
                 uses.setdefault(u, []).append((n.name, pos))
         for n in graph.nodes:
-            if n.op.startswith("placeholder") and len(n.strategies) > 1 and len(uses.get(n.name, ())) == 1:
+            if n.kind.is_input and len(n.strategies) > 1 and len(uses.get(n.name, ())) == 1:
                 consumer = uses[n.name][0][0]
                 if block_of.get(consumer) == block_of.get(n.name):
                     groups[n.name] = _backward_member(n, *uses[n.name][0], graph, groups, pricer)
@@ -137,12 +139,12 @@ def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Mem
                     block_of: dict[str, tuple[str, int]]) -> Member:
     """A single-input op whose layout is fixed by its producer's (exactly one strategy
     reads the producer's output as it is, for every producer choice) joins its group."""
-    is_getitem = n.op == "getitem"
+    is_getitem = n.kind is NodeKind.GETITEM
     if not (is_getitem or (follow and len(n.inputs) == 1 and n.call is not None)):
         return _identity(n)
     u, k = n.inputs[0]
     producer = graph.node(u)
-    if producer.op.startswith("placeholder") and not is_getitem:
+    if producer.kind.is_input and not is_getitem:
         return _identity(n)
     if block_of.get(u) != block_of.get(n.name):
         return _identity(n)
@@ -448,9 +450,9 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
         compute_total += c
         options = tuple(_alternative(n, alt, chosen, consumers, pricer, costs) for alt in n.strategies)
         nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
-                                groups[n.name].leader))
+                                groups[n.name].leader, n.kind))
         nbytes = memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
-        if n.op.startswith("placeholder:") and n.op != "placeholder:user_input":
+        if n.kind.is_state or n.kind is NodeKind.CONSTANT:
             param_bytes += s.outputs[0].local_nbytes(mesh)
             state_bytes += nbytes - s.outputs[0].local_nbytes(mesh)
         else:

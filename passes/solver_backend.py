@@ -10,8 +10,8 @@ from typing import Optional
 
 import pulp
 
-from autopar.errors import SolverError
-from autopar.options import Options
+from autopar.core.errors import SolverError
+from autopar.core.options import Options
 
 
 def solver_for(options: Options):

@@ -26,9 +26,10 @@ import torch
 from torch import fx
 
 from autopar import _compat
-from autopar.errors import describe_node
-from autopar.mesh import Mesh
-from autopar.placement import Placement, R, Shard, Spec, TensorMeta
+from autopar.core.errors import describe_node
+from autopar.core.kinds import NodeKind
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta
 from autopar.passes.discovery import discover
 from autopar.passes.rules import OpCall, Strategy, TensorArg, expand, replicate_rule, rule_for
 from autopar.passes.trace import TracedGraph
@@ -43,13 +44,13 @@ class MissingRuleWarning(UserWarning):
 @dataclass(frozen=True)
 class PlannedNode:
     name: str
-    op: str  # 'placeholder:<kind>', 'getitem', 'output' or the ATen overload name
+    op: str  # the ATen overload name, or "placeholder" / "getitem" / "output"
     inputs: tuple[tuple[str, int], ...]  # (producer node, output index) per tensor input
     strategies: tuple[Strategy, ...]
     call: Optional[OpCall] = None
-    has_rule: bool = True
     module: str = ""  # innermost nn.Module path the op came from ("" at top level)
     rule_source: str = "hand"  # "hand", "discovered" or "replicated" (ops); "" for other nodes
+    kind: NodeKind = NodeKind.OP
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,6 @@ class AnnotatedGraph:
 
     def node(self, name: str) -> PlannedNode:
         return self.by_name[name]
-
-
-def tensor_meta(val: Any) -> Optional[TensorMeta]:
-    return TensorMeta.of(val) if isinstance(val, torch.Tensor) else None
 
 
 def output_metas(node: fx.Node) -> tuple[TensorMeta, ...]:
@@ -137,15 +134,15 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
             specs = [Spec(tuple(pinned[gi.target]), gi.meta)]
         else:
             specs = layouts(gi.meta, mesh)
-        return PlannedNode(node.name, f"placeholder:{gi.kind}", (),
-                           tuple(Strategy((), (s,)) for s in specs), rule_source="")
+        return PlannedNode(node.name, "placeholder", (), tuple(Strategy((), (s,)) for s in specs),
+                           rule_source="", kind=gi.kind)
     # 4. output
     if node.op == "output":
         outs = [a for a in _compat.tree_flatten(node.args)[0] if isinstance(a, fx.Node)
                 and isinstance(a.meta.get("val"), torch.Tensor)]
         specs = tuple(Spec((R,) * mesh.ndim, TensorMeta.of(a.meta["val"])) for a in outs)
         return PlannedNode(OUTPUT, "output", tuple((a.name, 0) for a in outs), (Strategy(specs, ()),),
-                           rule_source="")
+                           rule_source="", kind=NodeKind.OUTPUT)
     if node.op != "call_function":
         return None
     # 3. getitem
@@ -155,7 +152,7 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
             return None
         seen = dict.fromkeys(s.outputs[k] for s in by_name[parent.name].strategies)
         return PlannedNode(node.name, "getitem", ((parent.name, k),), tuple(Strategy((s,), (s,)) for s in seen),
-                           module=by_name[parent.name].module, rule_source="")
+                           module=by_name[parent.name].module, rule_source="", kind=NodeKind.GETITEM)
     # 2. ops
     outs = output_metas(node)
     ins = tensor_inputs(node)
@@ -185,7 +182,7 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                 f"{len(call.outputs)} tensor outputs")
     strategies = expand(axis_rules, call, mesh.shape)
     return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
-                       source != "replicated", module_path(node), source)
+                       module_path(node), source)
 
 
 def module_path(node: fx.Node) -> str:

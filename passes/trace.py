@@ -21,11 +21,9 @@ import torch
 from torch import fx, nn
 
 from autopar import _compat
-from autopar.errors import TraceError, UnsupportedModelError
-from autopar.placement import TensorMeta
-
-INPUT_KINDS = ("parameter", "buffer", "constant", "user_input")
-
+from autopar.core.errors import TraceError, UnsupportedModelError
+from autopar.core.kinds import NodeKind
+from autopar.core.placement import TensorMeta
 
 @dataclass(frozen=True)
 class GraphInput:
@@ -33,7 +31,7 @@ class GraphInput:
     of a tensor leaf of the flattened user inputs)."""
 
     name: str
-    kind: str
+    kind: NodeKind  # PARAMETER, BUFFER, CONSTANT or USER_INPUT
     target: Any
     meta: TensorMeta
 
@@ -122,7 +120,9 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     )
 
 
-_KIND = {"PARAMETER": "parameter", "BUFFER": "buffer", "CONSTANT_TENSOR": "constant", "USER_INPUT": "user_input"}
+# torch.export InputKind name -> ours
+_KIND = {"PARAMETER": NodeKind.PARAMETER, "BUFFER": NodeKind.BUFFER, "CONSTANT_TENSOR": NodeKind.CONSTANT,
+         "USER_INPUT": NodeKind.USER_INPUT}
 
 
 def _strip(target: str) -> str:
@@ -147,7 +147,7 @@ def _graph_inputs(ep: Any, model_name: str) -> tuple[GraphInput, ...]:
             raise UnsupportedModelError(
                 f"model {model_name}: graph input {spec.arg.name} is a {spec.kind.name}, "
                 "which autopar cannot feed; pass tensors as inputs")
-        if kind == "user_input":
+        if kind is NodeKind.USER_INPUT:
             target: Any = user_index
             user_index += 1
         else:
@@ -166,7 +166,7 @@ def _rename_placeholders(gm: fx.GraphModule, inputs: tuple[GraphInput, ...]) -> 
         for prefix in ("p_model_", "b_model_", "c_model_"):
             if gi.name.startswith(prefix):
                 new = prefix[:2] + gi.name[len(prefix):]
-        if gi.kind == "user_input" and gi.name.startswith("tensors"):
+        if gi.kind is NodeKind.USER_INPUT and gi.name.startswith("tensors"):
             new = f"input_{gi.target}"
         if new != gi.name and new not in taken:
             taken.add(new)
@@ -208,7 +208,7 @@ def _refuse_input_writes(gm: fx.GraphModule, inputs: tuple[GraphInput, ...], mod
         for value in written_args(node):
             gi = by_name.get(value.name)
             if gi is not None:
-                from autopar.errors import describe_node
+                from autopar.core.errors import describe_node
                 what = gi.target if isinstance(gi.target, str) else f"input #{gi.target}"
                 raise UnsupportedModelError(
                     f"model {model_name} mutates {gi.kind} {what} in place at {describe_node(node)}; "

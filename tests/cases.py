@@ -1,6 +1,7 @@
 """Cases that run inside every gloo rank (see harness.run_ranks)."""
 
 from __future__ import annotations
+from autopar.core.kinds import NodeKind
 
 import warnings
 
@@ -8,7 +9,7 @@ import torch
 
 import autopar
 from autopar.cost_models.devices import DeviceSpec, Link
-from autopar.hand_plans import hand_plan
+from autopar.passes.hand_plans import hand_plan
 from tests import models
 
 # A device on which communication is nearly free and compute dear: the solver shards
@@ -40,7 +41,7 @@ def forward_equivalence(rank: int, world: int, model: str, mesh: tuple, device: 
     plan = pm.plan
     return {"reference": reference, "parallel": parallel, "placements": plan.placements(),
             "collectives": [str(c) for c in plan.collectives()], "sharded_params":
-            sum(1 for n in plan.nodes if n.op == "placeholder:parameter" and not n.outputs[0].is_replicated())}
+            sum(1 for n in plan.nodes if n.kind is NodeKind.PARAMETER and not n.outputs[0].is_replicated())}
 
 
 def _loss(out) -> torch.Tensor:
@@ -76,7 +77,7 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
 
 def _grad_pairs(pm, ref_grads: dict, rank: int) -> dict:
     """Parameter -> (this rank's gradient, the matching block of the reference gradient, spec)."""
-    from autopar.placement import local_chunk
+    from autopar.core.placement import local_chunk
     plan = pm.plan
     used = {e.producer for e in plan.edges}
     pairs = {}
@@ -96,7 +97,7 @@ def zoo_equivalence(rank: int, world: int, name: str, mesh: tuple, training: boo
     (logits, loss) and, in training, every local parameter gradient, next to the
     single-device model's."""
     import copy
-    from autopar.zoo import build
+    from autopar.tools.zoo import build
     if name.startswith("resnet-"):
         torch.manual_seed(0)
         m = models.TinyResNet(name.removeprefix("resnet-")).train(training)
@@ -119,7 +120,7 @@ def zoo_equivalence(rank: int, world: int, name: str, mesh: tuple, training: boo
         grads = _grad_pairs(pm, {k: p.grad for k, p in ref_model.named_parameters(remove_duplicate=False)}, rank)
     plan = pm.plan
     return {"reference": reference, "parallel": parallel, "grads": grads,
-            "sharded_params": sum(1 for n in plan.nodes if n.op == "placeholder:parameter"
+            "sharded_params": sum(1 for n in plan.nodes if n.kind is NodeKind.PARAMETER
                                   and not n.outputs[0].is_replicated()),
             "discovered": plan.discovered_ops, "replicated": plan.unruled_ops}
 
@@ -178,7 +179,7 @@ def mismatched_plans(rank: int, world: int, plan_paths: list, mesh: tuple) -> di
 def fuzz_on_ranks(rank: int, world: int, specs: list) -> dict:
     """Fuzzed models on real gloo ranks: forward outputs and local gradients."""
     import copy
-    from autopar.placement import local_chunk
+    from autopar.core.placement import local_chunk
     from tests import fuzz_models
     out = []
     for spec in specs:
@@ -193,7 +194,7 @@ def fuzz_on_ranks(rank: int, world: int, specs: list) -> dict:
         (y ** 2).mean().backward()
         grads = {}
         for n in pm.plan.nodes:
-            if n.op == "placeholder:parameter":
+            if n.kind is NodeKind.PARAMETER:
                 gi = next(g for g in pm._last.traced.inputs if g.name == n.name)
                 grads[gi.target] = (pm.shards.get_parameter(gi.target).grad,
                                     local_chunk(dict(ref.named_parameters())[gi.target].grad, n.outputs[0],
@@ -292,7 +293,7 @@ def training_utilities(rank: int, world: int, tmp: str) -> dict:
         ref(*args, **kwargs).loss.backward()
         out["norm"] = pm.clip_grad_norm_(0.05)
         out["ref_norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        from autopar.placement import local_chunk
+        from autopar.core.placement import local_chunk
         ref_grads = dict(ref.named_parameters())
         out["clipped"] = [(pm.shards.get_parameter(k).grad, local_chunk(ref_grads[k].grad, s, (2, 4), pm.coords))
                           for k, s in pm._state_specs.items() if k in ref_grads and
@@ -378,8 +379,8 @@ def calibrate_links(rank: int, world: int, mesh: tuple, path: str) -> dict:
         first = os.path.getmtime(path) if rank == 0 else None
         with torch.no_grad():
             out = (pm(x), m(x))
-    from autopar.cost_models.profile import Profile
-    return {"comm": Profile.from_json(path).comm if rank == 0 else None, "note": pm.plan.cost_note,
+    from autopar.passes.planning import load_profile
+    return {"comm": load_profile(path).comm if rank == 0 else None, "note": pm.plan.cost_note,
             "out": out, "first_mtime": first}
 
 
@@ -387,7 +388,7 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
     """A data-parallel plan: its parameters' gradient all-reduces leave the program and run
     bucketed after backward; two backwards accumulate before the comparison."""
     import copy
-    from autopar.placement import local_chunk
+    from autopar.core.placement import local_chunk
     m = models.build("mlp", widths=(64, 256, 64, 256, 64)).train()
     ref = copy.deepcopy(m)
     xs = [torch.randn(8192, 64, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
@@ -408,8 +409,8 @@ def forced_plan(model, args: tuple, mesh: tuple, op: str, keep):
     way to run a strategy the costs would not pick on a tiny model."""
     from dataclasses import replace
     from autopar.cost_models.model import CostModel
-    from autopar.mesh import Mesh
-    from autopar.options import Options
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
     from autopar.passes.solve import solve
     from autopar.passes.strategies import annotate
     from autopar.passes.trace import trace

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.plan_io import PlanFileError
+from autopar.core.errors import PlanFileError
 from tests import cases, models
 from tests.harness import run_ranks
 
@@ -58,18 +58,15 @@ def test_write_is_atomic_and_leaves_no_temporary_files(gpt2_plans, tmp_path):
     class Boom(Exception):
         pass
 
-    import autopar.plan_io as plan_io
-    original = plan_io.json.dump
+    import autopar.core.files as files
 
     def failing_dump(*a, **k):
         raise Boom()
 
-    plan_io.json.dump = failing_dump
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(files.json, "dump", failing_dump)
         with pytest.raises(Boom):
             plan.to_json(target)
-    finally:
-        plan_io.json.dump = original
     assert target.read_text() == "old contents"  # the old file is untouched
     assert os.listdir(tmp_path) == ["p.json"]  # and no temporary file is left behind
     plan.to_json(target)
@@ -116,7 +113,7 @@ def test_diff_names_changed_nodes_and_cost_delta(gpt2_plans):
 
 @pytest.mark.parametrize("name", ["gpt2", "mlp"])
 def test_visualize_returns_images(name):
-    from autopar.visualize import visualize
+    from autopar.tools.visualize import visualize
     plan = _plan(name, mesh=(2, 2))
     figs = visualize(plan)
     assert set(figs) == {"tensors", "graph", "costs"}

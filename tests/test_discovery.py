@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autopar.placement import Partial, Shard, TensorMeta
+from autopar.core.placement import Partial, Shard, TensorMeta
 from autopar.passes import discovery
 from autopar.passes.rules import expand, rule_for
 from autopar.passes.simulate import op_call_of, run_sharded

@@ -12,10 +12,10 @@ import warnings
 import torch
 from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
-from autopar.mesh import Mesh
-from autopar.options import Options
-from autopar.placement import local_chunk
-from autopar.planning import plan_traced
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.placement import local_chunk
+from autopar.passes.planning import plan_traced
 from autopar.passes.simulate_mesh import simulate
 from autopar.passes.trace import trace
 from tests import cases, fuzz_models

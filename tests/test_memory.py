@@ -2,6 +2,7 @@
 budget; impossible -> a typed error with the numbers."""
 
 from __future__ import annotations
+from autopar.core.kinds import NodeKind
 
 import warnings
 
@@ -28,7 +29,7 @@ def data_parallel_case():
 
 def test_unbounded_plan_is_data_parallel_with_replicated_weights(data_parallel_case):
     _, _, free = data_parallel_case
-    params = [n for n in free.nodes if n.op == "placeholder:parameter"]
+    params = [n for n in free.nodes if n.kind is NodeKind.PARAMETER]
     assert all(n.outputs[0].is_replicated() for n in params)
 
 
@@ -44,7 +45,7 @@ def test_tight_budget_shards_parameters_and_fits(data_parallel_case):
     tight = _plan(model, x, memory_budget_bytes=budget)
     assert tight.memory_bytes <= budget
     assert tight.param_bytes < free.param_bytes
-    assert any(not n.outputs[0].is_replicated() for n in tight.nodes if n.op == "placeholder:parameter")
+    assert any(not n.outputs[0].is_replicated() for n in tight.nodes if n.kind is NodeKind.PARAMETER)
     assert tight.total_s >= free.total_s  # memory is bought with time, never the reverse
     assert tight.solver.objective_s == pytest.approx(tight.total_s, rel=1e-6)
 
@@ -52,7 +53,7 @@ def test_tight_budget_shards_parameters_and_fits(data_parallel_case):
 def test_training_counts_gradients_and_optimizer_state():
     model = MLP((256, 1024, 256)).train()
     plan = _plan(model, torch.randn(64, 256), training=True)
-    params = [n for n in plan.nodes if n.op == "placeholder:parameter"]
+    params = [n for n in plan.nodes if n.kind is NodeKind.PARAMETER]
     local_elems = sum(n.outputs[0].local_nbytes((4, 1)) // 4 for n in params)
     assert plan.state_bytes == local_elems * (4 + 8)  # fp32 gradient + two fp32 AdamW states
 
@@ -71,9 +72,9 @@ def test_impossible_budget_names_budget_and_smallest_footprint(data_parallel_cas
 def test_budget_plan_trains_correctly_in_simulation():
     """A tight-budget training plan (sharded storage, gathered at use) gives the same
     outputs and gradients as the single device on every simulated rank."""
-    from autopar.mesh import Mesh
-    from autopar.options import Options
-    from autopar.planning import plan_traced
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
     from autopar.passes.trace import trace
     from tests.test_fuzz import check_plan_simulated
     model = MLP((64, 256, 64)).train()

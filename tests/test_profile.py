@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost_models.profile import Profile, fit_alpha_beta, profile_compute, samples_of
-from autopar.mesh import Mesh
+from autopar.cost_models.profile import Profile, fit_alpha_beta
+from autopar.passes.planning import load_profile
+from autopar.runtime.measure import profile_compute, samples_of, save_profile
+from autopar.core.mesh import Mesh
 from autopar.passes.strategies import annotate
 from autopar.passes.trace import trace
 from tests import cases
@@ -29,8 +31,8 @@ def test_profiler_measures_matmul_and_elementwise_and_reuses_its_cache(tmp_path)
     assert any(k.startswith("aten.relu.default|") for k in profile.compute)
     assert all(v > 0 for v in profile.compute.values())
     path = str(tmp_path / "profile.json")
-    profile.to_json(path)
-    again = Profile.from_json(path)
+    save_profile(profile, path)
+    again = load_profile(path)
     assert again.compute == profile.compute
     assert profile_compute(samples, again, torch.device("cpu"), progress=False) == 0  # nothing re-measured
 
@@ -75,13 +77,13 @@ def test_the_profile_drives_the_plan(tmp_path):
         path = str(tmp_path / f"{name}.json")
         p = _profile_with_links(alpha, beta)
         p.device = "cpu"
-        p.to_json(path)
+        save_profile(p, path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plans[name] = autopar.plan(model, (x,), mesh=(1, 4), cost_model=path)
     dear, cheap = plans["dear"], plans["cheap"]
     assert dear.collectives() == () and dear.comm_s == 0  # replicated: no communication at all
     assert len(cheap.collectives()) > 0
-    sharded = lambda p: sum(1 for n in p.nodes if n.op.startswith("placeholder") and not n.outputs[0].is_replicated())  # noqa: E731
+    sharded = lambda p: sum(1 for n in p.nodes if n.kind.is_input and not n.outputs[0].is_replicated())  # noqa: E731
     assert sharded(cheap) > sharded(dear)
     assert "profile of cpu" in dear.cost_note and "missing" in dear.cost_note

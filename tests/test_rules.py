@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.placement import P, Partial, R, Shard
+from autopar.core.placement import P, Partial, R, Shard
 from autopar.passes.rules import expand, rule_for
 from autopar.passes.simulate import op_call_of, run_sharded
 

@@ -11,9 +11,9 @@ import warnings
 import pytest
 
 import autopar
-from autopar.evaluate import evaluate
-from autopar.hand_plans import STYLES, hand_plan
-from autopar.zoo import build
+from autopar.cost_models.evaluate import evaluate
+from autopar.passes.hand_plans import STYLES, hand_plan
+from autopar.tools.zoo import build
 
 
 def _plan(model, args, kwargs, **kw):
@@ -68,12 +68,12 @@ def test_llama3_8b_shape_plans_without_weights():
     script = (
         "import json, resource, time, warnings; warnings.simplefilter('ignore')\n"
         "import autopar\n"
-        "from autopar.zoo import build\n"
+        "from autopar.tools.zoo import build\n"
         "m, a, k = build('llama3-8b', device='meta', batch=8, seq=128, training=True)\n"
         "t = time.perf_counter(); p = autopar.plan(m, a, k, mesh=(2, 4), device='h100')\n"
         "print(json.dumps({'s': time.perf_counter() - t, 'rss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
-        " 'shared': p.solver.shared_blocks, 'params': sum(1 for n in p.nodes if n.op == 'placeholder:parameter'),"
-        " 'sharded': sum(1 for n in p.nodes if n.op == 'placeholder:parameter' and not n.outputs[0].is_replicated()),"
+        " 'shared': p.solver.shared_blocks, 'params': sum(1 for n in p.nodes if n.kind == 'parameter'),"
+        " 'sharded': sum(1 for n in p.nodes if n.kind == 'parameter' and not n.outputs[0].is_replicated()),"
         " 'status': p.solver.status}))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})

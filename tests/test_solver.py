@@ -1,6 +1,7 @@
 """Golden plans with closed-form costs, offline (no processes)."""
 
 from __future__ import annotations
+from autopar.core.kinds import NodeKind
 
 import warnings
 
@@ -10,7 +11,7 @@ import torch
 import autopar
 from autopar.cost_models import comm, compute
 from autopar.cost_models.devices import preset
-from autopar.placement import TensorMeta
+from autopar.core.placement import TensorMeta
 from tests import models
 from tests.models import MLP
 
@@ -47,7 +48,7 @@ def test_wide_mlp_batch1_is_megatron_with_closed_form_objective():
     assert plan.total_s == pytest.approx(closed_form, rel=1e-9)
     assert plan.solver.objective_s == pytest.approx(closed_form, rel=1e-6)
     assert plan.comm_s == pytest.approx(2 * all_reduce, rel=1e-9)
-    weights = [n for n in plan.nodes if n.op == "placeholder:parameter" and n.outputs[0].meta.ndim == 2]
+    weights = [n for n in plan.nodes if n.kind is NodeKind.PARAMETER and n.outputs[0].meta.ndim == 2]
     assert [str(n.outputs[0]) for n in weights] == ["RS(0)", "RS(1)", "RS(0)", "RS(1)"]
     assert [c.kind for c in plan.collectives()] == ["reduce_scatter", "all_gather", "all_reduce"]
 
@@ -55,7 +56,7 @@ def test_wide_mlp_batch1_is_megatron_with_closed_form_objective():
 def test_large_batch_is_pure_data_parallel():
     model = MLP((16, 64, 16)).eval()
     plan = _plan(model, (torch.randn(4096, 16),), mesh=(4, 1))
-    assert all(n.outputs[0].is_replicated() for n in plan.nodes if n.op == "placeholder:parameter")
+    assert all(n.outputs[0].is_replicated() for n in plan.nodes if n.kind is NodeKind.PARAMETER)
     assert plan.node("input_0").outputs[0].placements[0] == autopar.Shard(0)
     collectives = plan.collectives()
     assert [(c.kind, c.consumer) for c in collectives] == [("all_gather", "output")]
@@ -114,7 +115,7 @@ def test_training_plan_counts_backward():
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
 @pytest.mark.parametrize("mesh", [(1, 4), (2, 2)])
 def test_solver_never_costs_more_than_hand_plans(name, mesh):
-    from autopar.hand_plans import hand_plan
+    from autopar.passes.hand_plans import hand_plan
     model = models.build(name)
     args, kwargs = models.inputs(name, batch=4)
     device = _cheap_comm()
@@ -125,4 +126,4 @@ def test_solver_never_costs_more_than_hand_plans(name, mesh):
             hand = hand_plan(model, args, kwargs, mesh=mesh, style=style, device=device)
         assert auto.total_s <= hand.total_s * (1 + 1e-9), (style, auto.total_s, hand.total_s)
     megatron = hand_plan(model, args, kwargs, mesh=mesh, style="megatron", device=device)
-    assert any(not n.outputs[0].is_replicated() for n in megatron.nodes if n.op == "placeholder:parameter")
+    assert any(not n.outputs[0].is_replicated() for n in megatron.nodes if n.kind is NodeKind.PARAMETER)

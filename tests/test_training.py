@@ -2,6 +2,7 @@
 state dicts, sharded checkpoints, local inputs; and the plan shapes users know."""
 
 from __future__ import annotations
+from autopar.core.kinds import NodeKind
 
 import warnings
 
@@ -95,7 +96,7 @@ def _train_plan(widths, batch, mesh):
 
 def test_large_batch_on_8x1_trains_data_parallel():
     plan = _train_plan((64, 256, 64), batch=8192, mesh=(8, 1))
-    params = [n for n in plan.nodes if n.op == "placeholder:parameter"]
+    params = [n for n in plan.nodes if n.kind is NodeKind.PARAMETER]
     assert all(n.outputs[0].is_replicated() for n in params)
     forward = plan.collectives()
     # the only forward communication is the scalar loss's reduction
@@ -108,7 +109,7 @@ def test_large_batch_on_8x1_trains_data_parallel():
 def test_small_batch_wide_layers_on_1x8_trains_megatron():
     hidden = 4096
     plan = _train_plan((1024, hidden, 1024, hidden, 1024), batch=8, mesh=(1, 8))
-    weights = [n for n in plan.nodes if n.op == "placeholder:parameter" and n.outputs[0].meta.ndim == 2]
+    weights = [n for n in plan.nodes if n.kind is NodeKind.PARAMETER and n.outputs[0].meta.ndim == 2]
     assert [str(n.outputs[0]) for n in weights] == ["RS(0)", "RS(1)", "RS(0)", "RS(1)"]
     link = preset("cpu").intra_link
     act = 8 * 1024 * 4
@@ -132,7 +133,7 @@ def test_2x4_gives_a_hybrid():
         warnings.simplefilter("ignore")
         plan = autopar.plan(model, (x, y), mesh=(2, 4), device="h100")
     x = plan.node("input_0").outputs[0]
-    weights = [n.outputs[0] for n in plan.nodes if n.op == "placeholder:parameter" and n.outputs[0].meta.ndim == 2]
+    weights = [n.outputs[0] for n in plan.nodes if n.kind is NodeKind.PARAMETER and n.outputs[0].meta.ndim == 2]
     assert x.placements[0] == autopar.Shard(0)  # data parallel across axis 0
     assert all(isinstance(w.placements[1], autopar.Shard) for w in weights)  # tensor parallel on axis 1
 

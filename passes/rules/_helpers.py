@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.placement import P, Partial, Placement, R, Shard
+from autopar.core.placement import P, Partial, Placement, R, Shard
 from autopar.passes.rules.registry import AxisRule, OpCall
 
 

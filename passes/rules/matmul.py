@@ -78,5 +78,5 @@ def _respects_broadcast(rule: AxisRule, call: OpCall) -> bool:
 
 
 def _replicated(call: OpCall) -> list[AxisRule]:
-    from autopar.placement import R
+    from autopar.core.placement import R
     return [AxisRule((R,) * len(call.inputs), (R,))]

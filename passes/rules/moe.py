@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import P, R, Shard
+from autopar.core.placement import P, R, Shard
 from autopar.passes.rules.registry import AxisRule, OpCall, register, register_name
 
 aten = torch.ops.aten

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import Partial, R, Shard
+from autopar.core.placement import Partial, R, Shard
 from autopar.passes.rules._helpers import norm_dim
 from autopar.passes.rules.registry import AxisRule, OpCall, register
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterable, Optional
 
-from autopar.placement import Placement, R, Spec, TensorMeta
+from autopar.core.placement import Placement, R, Spec, TensorMeta
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from math import prod
 
 import torch
 
-from autopar.placement import P, Partial, R, Shard
+from autopar.core.placement import P, Partial, R, Shard
 from autopar.passes.rules._helpers import dim_map_rules, norm_dim
 from autopar.passes.rules.registry import AxisRule, OpCall, register
 

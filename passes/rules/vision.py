@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import P, Partial, Placement, R, Shard
+from autopar.core.placement import P, Partial, Placement, R, Shard
 from autopar.passes.rules.registry import AxisRule, OpCall, register
 
 aten = torch.ops.aten

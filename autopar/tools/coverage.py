@@ -11,9 +11,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from autopar.mesh import Mesh
-from autopar.options import Options
-from autopar.placement import R, Spec
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.placement import R, Spec
 from autopar.cost_models.model import CostModel
 
 
@@ -42,9 +42,9 @@ def all_replicated_s(graph, costs: CostModel) -> float:
 
 
 def coverage_of(name: str, mesh: tuple[int, ...], options: Options) -> CoverageRow:
-    from autopar import zoo
+    from autopar.tools import zoo
     from autopar.passes.trace import trace
-    from autopar.planning import plan_traced
+    from autopar.passes.planning import plan_traced
     try:
         model, args, kwargs = zoo.build(name, training=bool(options.training))
         with warnings.catch_warnings():

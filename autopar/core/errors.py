@@ -1,4 +1,9 @@
-"""Typed errors. Each message names the culprit (op, node, tensor, file) and the fix."""
+"""Typed errors, all of them here: one type per failure, whichever stage finds it.
+
+Each message names the culprit (op, node with its source line, tensor, file) and the fix.
+Every type pickles with its fields, so an error raised while rank 0 plans reaches the
+other ranks as the same type (autopar/runtime/planner.py).
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,34 @@ class MemoryBudgetError(SolverError):
         super().__init__(f"no plan fits the memory budget of {budget} bytes ({budget / 2**20:.2f} MiB) per rank; "
                          f"the smallest footprint found is {smallest} bytes ({smallest / 2**20:.2f} MiB). Raise "
                          "Options.memory_budget_bytes, use a larger mesh, or plan for inference")
+
+    def __reduce__(self):
+        return (type(self), (self.budget_bytes, self.smallest_bytes))
+
+
+class PlanFileError(AutoparError, ValueError):
+    """A plan or profile file is missing, unreadable, damaged or of another schema version."""
+
+
+class FingerprintMismatchError(AutoparError, ValueError):
+    """A plan is applied to a graph other than the one it was made for (another model,
+    other input shapes, or a rank that traced differently). Carries both fingerprints."""
+
+    def __init__(self, message: str, expected: str = "", found: str = "") -> None:
+        self.expected, self.found = expected, found
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.expected, self.found))
+
+
+class CollectiveError(AutoparError, RuntimeError):
+    """A collective of a rank program failed or timed out (a peer rank probably died first)."""
+
+
+class PlanningError(AutoparError, RuntimeError):
+    """Planning failed on another rank with an error that could not be sent as itself;
+    the message holds its type and text."""
 
 
 class InputMismatchError(AutoparError, ValueError):

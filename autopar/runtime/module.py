@@ -18,17 +18,18 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar import _compat
-from autopar.collectives import AxisComm
-from autopar.grad_buckets import GradBuckets
-from autopar.errors import InputMismatchError, MeshError, ProcessGroupError
-from autopar.mesh import Mesh
-from autopar.options import Options
-from autopar.placement import Placement
-from autopar.plan import Plan
-from autopar.state import ShardedStateMethods
-from autopar.planning import plan_traced, trace_for_planning
-from autopar.cost_models.profile import (COLLECTIVES, Profile, calibrate, measure_contention, profile_compute,
-                                         samples_of)
+from autopar.runtime.collectives import AxisComm, step_runner
+from autopar.passes.program import bind
+from autopar.runtime.buckets import GradBuckets
+from autopar.core.errors import InputMismatchError, MeshError, ProcessGroupError
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.placement import Placement
+from autopar.core.plan import Plan
+from autopar.runtime.state import ShardedStateMethods
+from autopar.passes.planning import plan_traced, trace_for_planning
+from autopar.cost_models.profile import Profile
+from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.passes.strategies import annotate
 from autopar.passes.emit import RankProgram, emit, shard
 from autopar.passes.trace import TracedGraph, flatten_inputs
@@ -167,7 +168,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             except Exception as e:  # noqa: BLE001
                 problem = e
         self._check_plan_agreement(plan, problem)
-        program = emit(traced, plan, self.coords, self._comms, self.device, defer_grad_sync=True)
+        program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True)
+        bind(program.gm, step_runner(self._comms))
         if self._pinned is None:
             self._materialise_state(traced, plan)
         targets = {gi.name: gi.target for gi in traced.inputs}
@@ -179,7 +181,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return compiled
 
     def _given(self, traced: TracedGraph) -> Plan:
-        from autopar.plan_io import PlanFileError
+        from autopar.core.errors import PlanFileError
         plan = self._given_plan
         if plan.fingerprint != traced.fingerprint:
             raise PlanFileError(
@@ -215,17 +217,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         mesh's links calibrated now if it lacks them (every rank takes part)."""
         if self.options.cost_model != "profile":
             return None
-        import os
-        name = f"profile-{_compat.device_name(self.device)}-torch{torch.__version__}.json".replace(" ", "_")
-        path = self.options.profile_path or os.path.join(os.path.expanduser("~"), ".cache", "autopar", name)
-        profile = Profile.from_json(path) if os.path.exists(path) else Profile(_compat.device_name(self.device))
-        have = profile.links(self.mesh.shape)
-        if self.device.type == "cpu" and (not have or profile.cpu_contention == 1.0):
-            profile.cpu_contention = measure_contention(self.device)
-        if any((a, k) not in have for a, n in enumerate(self.mesh.shape) if n > 1 for k in COLLECTIVES):
-            profile.comm.update(calibrate(self._comms, self.device))
-        self._profile_path = path
-        return profile
+        self._profile_path = self.options.profile_path or default_profile_path(self.device)
+        return profile_for_mesh(self._profile_path, self.mesh, self._comms, self.device)
 
     def _plan_on_rank0(self, traced: Optional[TracedGraph], problem: Optional[Exception],
                        profile: Optional[Profile] = None) -> tuple[Optional[Plan], Optional[Exception]]:
@@ -239,8 +232,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
                     graph = annotate(traced, self.mesh, self._pinned, self.options.discover_rules)
                     profile_compute(samples_of(graph, self.mesh.shape), profile, self.device,
                                     self.options.profile_budget_s)
-                    os.makedirs(os.path.dirname(os.path.abspath(self._profile_path)), exist_ok=True)
-                    profile.to_json(self._profile_path)
+                    save_profile(profile, self._profile_path)
                 box[0] = plan_traced(traced, self.mesh, self.options, self._pinned, profile)[1]
             except Exception as e:  # noqa: BLE001 - forwarded so the other ranks fail too, not hang
                 box[0] = e
@@ -368,8 +360,7 @@ def _load_given(plan: "Plan | str | None") -> tuple[Optional[Plan], str]:
     if plan is None or isinstance(plan, Plan):
         return plan, "the given plan"
     import os
-    from autopar import plan_io
-    return plan_io.load(plan), f"plan file {os.fspath(plan)}"
+    return Plan.from_json(plan), f"plan file {os.fspath(plan)}"
 
 
 def _timedelta(seconds: float):

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from autopar.collectives import _all_gather, _all_reduce
-from autopar.placement import Partial, Shard, Spec, local_chunk
+from autopar.runtime.collectives import _all_gather, _all_reduce
+from autopar.core.placement import Partial, Shard, Spec, local_chunk
 
 if TYPE_CHECKING:
-    from autopar.runtime import ParallelModule
+    from autopar.runtime.module import ParallelModule
 
 
 def _split_axes(spec: Spec) -> tuple[int, ...]:
@@ -105,7 +105,7 @@ def load_full_state_dict(pm: "ParallelModule", state_dict: dict[str, torch.Tenso
 @torch.no_grad()
 def load_safetensors(pm: "ParallelModule", path: str) -> None:
     from safetensors import safe_open
-    from autopar.placement import block_index
+    from autopar.core.placement import block_index
     with safe_open(path, framework="pt", device="cpu") as f:
         names = set(f.keys())
         ties: dict[int, list[str]] = {}

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from autopar import _compat
-from autopar.collectives import AxisComm, _all_reduce
+from autopar.runtime.collectives import AxisComm, _all_reduce
 
 BUCKET_BYTES = 25 * 2**20
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from autopar.placement import Placement, R, Shard
+from autopar.core.placement import Placement, R, Shard
 
 ROW_PARALLEL = re.compile(r"(o_proj|down_proj|c_proj|out_proj|fc2|dense_4h_to_h|attention\.output\.dense|"
                           r"\.output\.dense|wo|w2)$")
@@ -116,7 +116,7 @@ def input_pins(traced, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...])
 
 def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str) -> dict:
     """Parameter and user-input layouts of `style` for the traced model (the `pinned`
-    argument of autopar.planning.plan_traced)."""
+    argument of autopar.passes.planning.plan_traced)."""
     if style not in STYLES:
         raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
     layout = STYLES[style](model, mesh_shape)
@@ -126,8 +126,8 @@ def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str)
 def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any,
               style: str = "megatron", **option_overrides: Any):
     """The best complete Plan whose parameters and inputs are laid out as `style` prescribes."""
-    from autopar.mesh import Mesh
-    from autopar.planning import _options, plan_traced, trace_for_planning
+    from autopar.core.mesh import Mesh
+    from autopar.passes.planning import _options, plan_traced, trace_for_planning
     mesh_ = Mesh.of(mesh)
     if style not in STYLES:  # before tracing: a typo should not cost a trace
         raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from autopar.errors import MeshError
+from autopar.core.errors import MeshError
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from autopar.plan import Plan
+from autopar.core.plan import Plan
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 
@@ -52,9 +52,9 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
     compute_s, memory = 0.0, 0
     for n in plan.nodes:
         target = None
-        if not (n.op.startswith("placeholder") or n.op in ("getitem", "output")):
+        if n.kind.computes:
             target = op_target(n.op, n.name)
             compute_s += costs.op_cost(target, n.inputs, n.outputs).compute_s
-        memory += node_bytes(n.op, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes)
+        memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes)
     comm_s = sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
     return Evaluation(compute_s, comm_s, memory)

@@ -28,19 +28,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from autopar.placement import Partial, Placement, R, Replicate, Shard, Spec
+from autopar.core.kinds import StepKind
+from autopar.core.placement import Partial, Placement, R, Replicate, Shard, Spec
 
 
 @dataclass(frozen=True)
 class Step:
     """One move on one mesh axis; `dim`/`to_dim` are tensor dims where they apply."""
 
-    kind: str  # all_reduce | reduce_scatter | all_gather | all_to_all | slice | to_partial | grad_sync
+    kind: StepKind
     axis: int
     dim: Optional[int] = None
     to_dim: Optional[int] = None
     reduce: str = "sum"
-    backward: str = "identity"
+    backward: StepKind = StepKind.IDENTITY
     before: Optional[Spec] = None  # the layout the step starts from (its local bytes)
 
     def __str__(self) -> str:
@@ -49,12 +50,9 @@ class Step:
             args.append(f"dim={self.dim}")
         if self.to_dim is not None:
             args.append(f"to_dim={self.to_dim}")
-        if self.kind == "all_reduce" and self.reduce != "sum":
+        if self.kind is StepKind.ALL_REDUCE and self.reduce != "sum":
             args.append(f"op={self.reduce}")
         return f"{self.kind}({', '.join(args)})"
-
-
-COMMUNICATING = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"})
 
 
 class Unreachable(Exception):
@@ -99,10 +97,10 @@ def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
         lone_dim = isinstance(want, Shard) and all(
             b == a or (cur.placements[b] != want and dst.placements[b] != want) for b in range(n))
         if lone_dim and p.reduce == "sum":
-            steps.append(Step("reduce_scatter", a, dim=want.dim, backward="all_gather", before=cur))
+            steps.append(Step(StepKind.REDUCE_SCATTER, a, dim=want.dim, backward=StepKind.ALL_GATHER, before=cur))
             cur = _with(cur, a, want)
         else:
-            steps.append(Step("all_reduce", a, reduce=p.reduce, backward="identity", before=cur))
+            steps.append(Step(StepKind.ALL_REDUCE, a, reduce=p.reduce, backward=StepKind.IDENTITY, before=cur))
             cur = _with(cur, a, R)
 
     # 2. all_to_all where a single axis moves its shard to a free dim; else gather
@@ -113,17 +111,17 @@ def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
             continue
         if (isinstance(want, Shard) and len(cur.shard_axes(p.dim)) == 1 and not cur.shard_axes(want.dim)
                 and dst.shard_axes(want.dim) == (a,)):
-            steps.append(Step("all_to_all", a, dim=p.dim, to_dim=want.dim, backward="all_to_all", before=cur))
+            steps.append(Step(StepKind.ALL_TO_ALL, a, dim=p.dim, to_dim=want.dim, backward=StepKind.ALL_TO_ALL, before=cur))
             cur = _with(cur, a, want)
             continue
-        steps.append(Step("all_gather", a, dim=p.dim, backward="slice", before=cur))
+        steps.append(Step(StepKind.ALL_GATHER, a, dim=p.dim, backward=StepKind.SLICE, before=cur))
         cur = _with(cur, a, R)
 
     # 3. slice new shards, outer axes first
     for a in range(n):
         want = dst.placements[a]
         if isinstance(want, Shard) and cur.placements[a] == R:
-            steps.append(Step("slice", a, dim=want.dim, backward="all_gather", before=cur))
+            steps.append(Step(StepKind.SLICE, a, dim=want.dim, backward=StepKind.ALL_GATHER, before=cur))
             cur = _with(cur, a, want)
 
     # 4. make partials
@@ -131,7 +129,7 @@ def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
         p, want = cur.placements[a], dst.placements[a]
         if isinstance(want, Partial) and p == R:
             if want.reduce == "sum":
-                steps.append(Step("to_partial", a, backward="identity", before=cur))
+                steps.append(Step(StepKind.TO_PARTIAL, a, backward=StepKind.IDENTITY, before=cur))
             # avg or max of identical copies is the value itself: nothing to do
             cur = _with(cur, a, want)
 
@@ -145,11 +143,11 @@ def _attach_grad_sync(steps: list[Step], final: Spec, axes: tuple[int, ...]) -> 
         if final.placements[a] != R:
             continue
         last = next((i for i in reversed(range(len(steps))) if steps[i].axis == a), None)
-        if last is not None and steps[last].kind == "all_gather":
+        if last is not None and steps[last].kind is StepKind.ALL_GATHER:
             s = steps[last]
-            steps[last] = Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, "reduce_scatter", s.before)
+            steps[last] = Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, StepKind.REDUCE_SCATTER, s.before)
         else:
-            steps.append(Step("grad_sync", a, backward="all_reduce", before=final))
+            steps.append(Step(StepKind.GRAD_SYNC, a, backward=StepKind.ALL_REDUCE, before=final))
     return steps
 
 

@@ -18,36 +18,43 @@ Schema version 1 (keys of the top-level object):
     unruled_ops       ops replicated for want of a rule
     discovered_ops    ops sharded by rules found by experiment (absent in older files)
     cost_note         where the costs came from (preset, or profile and its missing timings)
-    nodes             [{name, op, module, group, inputs: [spec], outputs: [spec], compute_s,
+    nodes             [{name, op, kind, module, group, inputs: [spec], outputs: [spec], compute_s,
                         alternatives, options: [{inputs: ["S(0)R", ..], outputs: [..], compute_s,
                         reshard_in_s, reshard_out_s}]}]  (option placements over the node's metas)
     edges             [{producer, index, consumer, position, comm_s, steps: [step]}]
     collectives       [{kind, axis, nbytes, producer, consumer, backward}]: forward order, for readers
     spec              {placements: ["S(0)", "R"], shape: [..], dtype: "float32"}
     step              {kind, axis, dim, to_dim, reduce, backward, before: spec}
+
+A node's kind (parameter, buffer, constant, user_input, getitem, output, op) is absent
+in files written before it was stored; it is then read from the old op text
+("placeholder:parameter").
+
+This module is the schema only: it turns a plan's fields into JSON-ready values and
+back into the fields of a Plan. The Plan class (autopar/core/plan.py) calls it, never the
+other way round; the files themselves go through autopar/core/files.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from autopar.errors import AutoparError
-from autopar.mesh import Mesh
-from autopar.placement import Spec, TensorMeta, parse_placement, parse_placements
-from autopar.plan import Alternative, EdgePlan, NodeChoice, Plan, SolverReport
-from autopar.resharding import Step
+from autopar._version import __version__
+from autopar.core.errors import PlanFileError
+from autopar.core.files import read_json, write_json_atomic
+from autopar.core.kinds import NodeKind, StepKind
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Spec, TensorMeta, parse_placement, parse_placements
+from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverReport
+from autopar.core.resharding import Step
 
 SCHEMA = "autopar.plan"
 SCHEMA_VERSION = 1
-
-
-class PlanFileError(AutoparError, ValueError):
-    """A plan file is unreadable, of another schema version, or for another model."""
+REMEDY = "re-create it with plan.to_json(path)"
 
 
 def spec_to_json(spec: Spec) -> dict:
@@ -63,17 +70,43 @@ def spec_from_json(d: dict) -> Spec:
 
 
 def _step_to_json(s: Step) -> dict:
-    return {"kind": s.kind, "axis": s.axis, "dim": s.dim, "to_dim": s.to_dim, "reduce": s.reduce,
-            "backward": s.backward, "before": spec_to_json(s.before) if s.before is not None else None}
+    return {"kind": s.kind.value, "axis": s.axis, "dim": s.dim, "to_dim": s.to_dim, "reduce": s.reduce,
+            "backward": s.backward.value, "before": spec_to_json(s.before) if s.before is not None else None}
 
 
 def _step_from_json(d: dict) -> Step:
-    return Step(d["kind"], d["axis"], d["dim"], d["to_dim"], d["reduce"], d["backward"],
+    return Step(StepKind(d["kind"]), d["axis"], d["dim"], d["to_dim"], d["reduce"], StepKind(d["backward"]),
                 spec_from_json(d["before"]) if d["before"] is not None else None)
 
 
-def plan_to_dict(plan: Plan) -> dict:
-    from autopar import __version__
+def _node_to_json(n: NodeChoice) -> dict:
+    return {"name": n.name, "op": n.op, "kind": n.kind.value, "module": n.module, "group": n.group,
+            "inputs": [spec_to_json(s) for s in n.inputs], "outputs": [spec_to_json(s) for s in n.outputs],
+            "compute_s": n.compute_s, "alternatives": n.alternatives,
+            "options": [{"inputs": [str(s) for s in a.inputs], "outputs": [str(s) for s in a.outputs],
+                         "compute_s": a.compute_s, "reshard_in_s": a.reshard_in_s, "reshard_out_s": a.reshard_out_s}
+                        for a in n.options]}
+
+
+def _node_kind(n: dict) -> NodeKind:
+    if "kind" in n:
+        return NodeKind(n["kind"])
+    op = n["op"]  # files from before the kind was stored: "placeholder:<kind>", "getitem", "output", an op
+    if op.startswith("placeholder:"):
+        return NodeKind(op.split(":", 1)[1])
+    return {"getitem": NodeKind.GETITEM, "output": NodeKind.OUTPUT}.get(op, NodeKind.OP)
+
+
+def _node_from_json(n: dict) -> NodeChoice:
+    kind = _node_kind(n)
+    op = "placeholder" if kind.is_input else n["op"]
+    return NodeChoice(n["name"], op, tuple(map(spec_from_json, n["inputs"])), tuple(map(spec_from_json, n["outputs"])),
+                      float(n["compute_s"]), int(n["alternatives"]), n.get("module", ""), _options(n),
+                      n.get("group", ""), kind)
+
+
+def plan_to_dict(plan: Any) -> dict:
+    """The JSON-ready form of a Plan (any object with a Plan's fields)."""
     return {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "autopar_version": __version__,
         "torch_version": torch.__version__, "model": plan.model_name, "fingerprint": plan.fingerprint,
@@ -81,29 +114,19 @@ def plan_to_dict(plan: Plan) -> dict:
         "predicted": {"compute_s": plan.compute_s, "comm_s": plan.comm_s, "param_bytes": plan.param_bytes,
                       "activation_bytes": plan.activation_bytes, "state_bytes": plan.state_bytes,
                       "memory_bytes": plan.memory_bytes},
-        "solver": vars(plan.solver).copy() if hasattr(plan.solver, "__dict__") else _fields(plan.solver),
+        "solver": asdict(plan.solver),
         "unruled_ops": list(plan.unruled_ops), "discovered_ops": list(plan.discovered_ops),
         "cost_note": plan.cost_note,
-        "nodes": [{"name": n.name, "op": n.op, "module": n.module, "group": n.group,
-                   "inputs": [spec_to_json(s) for s in n.inputs], "outputs": [spec_to_json(s) for s in n.outputs],
-                   "compute_s": n.compute_s, "alternatives": n.alternatives,
-                   "options": [{"inputs": [str(s) for s in a.inputs],
-                                "outputs": [str(s) for s in a.outputs], "compute_s": a.compute_s,
-                                "reshard_in_s": a.reshard_in_s, "reshard_out_s": a.reshard_out_s}
-                               for a in n.options]}
-                  for n in plan.nodes],
+        "nodes": [_node_to_json(n) for n in plan.nodes],
         "edges": [{"producer": e.producer, "index": e.index, "consumer": e.consumer, "position": e.position,
                    "comm_s": e.comm_s, "steps": [_step_to_json(s) for s in e.steps]} for e in plan.edges],
-        "collectives": [_fields(c) for c in plan.collectives()],
+        "collectives": [dict(asdict(c), kind=c.kind.value, backward=c.backward.value) for c in plan.collectives()],
     }
 
 
-def _fields(obj: Any) -> dict:
-    from dataclasses import asdict
-    return asdict(obj)
-
-
-def plan_from_dict(d: dict, source: str = "<dict>") -> Plan:
+def plan_fields(d: Any, source: str = "<dict>") -> dict:
+    """The keyword arguments of Plan(...) stored in `d`; PlanFileError naming `source` if
+    it is not a plan of this schema version or is damaged."""
     if not isinstance(d, dict) or d.get("schema") != SCHEMA:
         raise PlanFileError(f"{source} is not an autopar plan (no \"schema\": \"{SCHEMA}\" field)")
     version = d.get("schema_version")
@@ -111,20 +134,18 @@ def plan_from_dict(d: dict, source: str = "<dict>") -> Plan:
         raise PlanFileError(f"{source} has plan schema version {version!r}; this autopar reads version "
                             f"{SCHEMA_VERSION}. Re-plan with this version (python -m autopar plan ...)")
     try:
-        nodes = tuple(NodeChoice(
-            n["name"], n["op"], tuple(map(spec_from_json, n["inputs"])), tuple(map(spec_from_json, n["outputs"])),
-            float(n["compute_s"]), int(n["alternatives"]), n.get("module", ""),
-            _options(n), n.get("group", "")) for n in d["nodes"])
-        edges = tuple(EdgePlan(e["producer"], e["index"], e["consumer"], e["position"],
-                               tuple(map(_step_from_json, e["steps"])), float(e["comm_s"])) for e in d["edges"])
         p = d["predicted"]
-        return Plan(Mesh(tuple(d["mesh"])), d["model"], d["fingerprint"], bool(d["training"]), d["device"], nodes,
-                    edges, float(p["compute_s"]), float(p["comm_s"]), int(p["param_bytes"]),
-                    int(p["activation_bytes"]), SolverReport(**d["solver"]), tuple(d.get("unruled_ops", ())),
-                    int(p.get("state_bytes", 0)), d.get("cost_note", ""), tuple(d.get("discovered_ops", ())))
+        return dict(
+            mesh=Mesh(tuple(d["mesh"])), model_name=d["model"], fingerprint=d["fingerprint"],
+            training=bool(d["training"]), device=d["device"], nodes=tuple(map(_node_from_json, d["nodes"])),
+            edges=tuple(EdgePlan(e["producer"], e["index"], e["consumer"], e["position"],
+                                 tuple(map(_step_from_json, e["steps"])), float(e["comm_s"])) for e in d["edges"]),
+            compute_s=float(p["compute_s"]), comm_s=float(p["comm_s"]), param_bytes=int(p["param_bytes"]),
+            activation_bytes=int(p["activation_bytes"]), solver=SolverReport(**d["solver"]),
+            unruled_ops=tuple(d.get("unruled_ops", ())), state_bytes=int(p.get("state_bytes", 0)),
+            cost_note=d.get("cost_note", ""), discovered_ops=tuple(d.get("discovered_ops", ())))
     except (KeyError, TypeError, ValueError) as e:
-        raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. "
-                            "Re-create it with plan.to_json(path)") from e
+        raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e
 
 
 def _options(n: dict) -> tuple[Alternative, ...]:
@@ -136,35 +157,11 @@ def _options(n: dict) -> tuple[Alternative, ...]:
                              a["compute_s"], a["reshard_in_s"], a["reshard_out_s"]) for a in n.get("options", ()))
 
 
-def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".json.tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def save(plan: Plan, path: str | os.PathLike) -> None:
+def save(plan: Any, path: "str | os.PathLike") -> None:
     write_json_atomic(path, plan_to_dict(plan))
 
 
-def load(path: str | os.PathLike) -> Plan:
+def load_fields(path: "str | os.PathLike") -> dict:
+    """Plan(...) keyword arguments read from a plan file."""
     path = os.fspath(path)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise PlanFileError(f"plan file {path} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanFileError(f"plan file {path} is corrupt or truncated ({e}); re-create it with "
-                            "plan.to_json(path)") from None
-    return plan_from_dict(data, source=f"plan file {path}")
+    return plan_fields(read_json(path, "plan file", REMEDY), f"plan file {path}")

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from autopar import _compat
-from autopar.mesh import Mesh
-from autopar.options import Options
-from autopar.placement import Placement
-from autopar.plan import Plan
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.placement import Placement
+from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
+from autopar.core.files import read_json
 from autopar.cost_models.profile import Profile
 from autopar.passes.solve import solve
 from autopar.passes.strategies import AnnotatedGraph, annotate
@@ -29,7 +30,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
     graph = annotate(traced, mesh, pinned, options.discover_rules)
     costs = CostModel.analytic(options.device, mesh.shape, training)
     if profile is None and options.cost_model not in ("analytic", "profile"):
-        profile = Profile.from_json(options.cost_model)
+        profile = load_profile(options.cost_model)
     note = f"analytic preset {costs.device.name}"
     if profile is not None:
         profile.misses.clear()
@@ -73,3 +74,8 @@ def _options(options: Optional[Options], overrides: dict) -> Options:
         return replace(base, **overrides)
     except TypeError as e:
         raise TypeError(f"unknown planning option: {e}; see autopar.Options for the fields") from None
+
+
+def load_profile(path: str) -> Profile:
+    """A saved cost profile (Options.cost_model = its path)."""
+    return Profile.from_dict(read_json(path, "profile", "delete it to measure again"), f"profile {path}")

@@ -1,5 +1,5 @@
 """Collectives on one mesh axis as autograd functions with their conjugate backward,
-and the nn.Module that runs one reshard Step inside an emitted program.
+and the runner that executes the reshard steps of an emitted program.
 
     step         forward                    backward
     all_reduce   sum (avg: /n, max)         identity (avg: /n; max: where x won)
@@ -10,7 +10,8 @@ and the nn.Module that runs one reshard Step inside an emitted program.
     to_partial   x on coordinate 0, else 0  identity (the incoming gradient is complete)
     grad_sync    identity                   all_reduce
 
-Nothing here decides what to run: the Plan's steps do. Each call blocks on a
+Nothing here decides what to run: the Plan's steps do; `step_runner` is what the
+StepModules of an emitted program (passes/program.py) are bound to. Each call blocks on a
 torch.distributed collective whose timeout is the process group's.
 """
 
@@ -21,10 +22,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from autopar import _compat
-from autopar.resharding import Step
+from autopar.core.errors import CollectiveError
+from autopar.core.kinds import StepKind
+from autopar.core.resharding import Step
+from autopar.passes.program import StepRunner
 
 
 @dataclass(frozen=True)
@@ -171,47 +174,34 @@ class _GradSync(torch.autograd.Function):
 
 def run_step(step: Step, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     """Apply one reshard step to this rank's local tensor."""
-    if step.kind == "all_reduce":
+    kind = step.kind
+    if kind is StepKind.ALL_REDUCE:
         return _AllReduce.apply(x, comm, step.reduce)
-    if step.kind == "all_gather":
-        return _AllGather.apply(x, step.dim, comm, step.backward == "reduce_scatter")
-    if step.kind == "reduce_scatter":
+    if kind is StepKind.ALL_GATHER:
+        return _AllGather.apply(x, step.dim, comm, step.backward is StepKind.REDUCE_SCATTER)
+    if kind is StepKind.REDUCE_SCATTER:
         return _ReduceScatter.apply(x, step.dim, comm)
-    if step.kind == "all_to_all":
+    if kind is StepKind.ALL_TO_ALL:
         return _AllToAll.apply(x, step.dim, step.to_dim, comm)
-    if step.kind == "slice":
+    if kind is StepKind.SLICE:
         return _Slice.apply(x, step.dim, comm)
-    if step.kind == "to_partial":
+    if kind is StepKind.TO_PARTIAL:
         return _ToPartial.apply(x, comm)
-    if step.kind == "grad_sync":
+    if kind is StepKind.GRAD_SYNC:
         return _GradSync.apply(x, comm)
     raise ValueError(f"unknown reshard step {step.kind!r}")
 
 
-class StepModule(nn.Module):
-    """One reshard step in an emitted program: `all_gather_3 = self.all_gather_3(x)`."""
-
-    def __init__(self, step: Step, comm: Optional[AxisComm], where: str = "") -> None:
-        super().__init__()
-        self.step = step
-        self.comm = comm
-        self.where = where  # "producer -> consumer", for error messages
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.comm is None:
-            raise RuntimeError(f"{self.step} has no process group: this program was emitted for reading, "
-                               "not running; build it through autopar.compile")
+def step_runner(comms: tuple[AxisComm, ...]) -> StepRunner:
+    """What a rank program's StepModules call (passes/program.py: bind): the step on
+    this rank's group of its mesh axis; a failure becomes a CollectiveError naming the edge."""
+    def run(step: Step, x: torch.Tensor, where: str) -> torch.Tensor:
+        comm = comms[step.axis]
         try:
-            return run_step(self.step, x, self.comm)
+            return run_step(step, x, comm)
         except RuntimeError as e:
             raise CollectiveError(
-                f"{self.step} on the edge {self.where} failed on mesh coordinate {self.comm.coord} of axis "
-                f"{self.step.axis}: {e}. A peer rank probably failed or stopped first: look at its log "
-                "(the collective timeout is Options.collective_timeout_s)") from e
-
-    def extra_repr(self) -> str:
-        return f"{self.step}, backward={self.step.backward}, edge={self.where}"
-
-
-class CollectiveError(RuntimeError):
-    """A collective of an emitted program failed or timed out."""
+                f"{step} on the edge {where} failed on mesh coordinate {comm.coord} of axis {step.axis}: {e}. "
+                "A peer rank probably failed or stopped first: look at its log (the collective timeout is "
+                "Options.collective_timeout_s)") from e
+    return run

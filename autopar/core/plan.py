@@ -8,92 +8,13 @@ never graph objects, so it can be saved and checked against a model by fingerpri
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Optional
 
-from autopar.mesh import Mesh
-from autopar.resharding import COMMUNICATING, Step
-from autopar.placement import Spec
-
-
-@dataclass(frozen=True)
-class Alternative:
-    """One strategy the solver could have picked for a node, priced with every other
-    node held at its chosen strategy: its own compute, the reshards into it from its
-    producers' chosen outputs, and from it into its consumers' chosen inputs."""
-
-    inputs: tuple[Spec, ...]
-    outputs: tuple[Spec, ...]
-    compute_s: float
-    reshard_in_s: float
-    reshard_out_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.reshard_in_s + self.reshard_out_s
-
-    def label(self) -> str:
-        ins = ",".join(str(s) for s in self.inputs)
-        outs = ",".join(str(s) for s in self.outputs)
-        return f"({ins}) -> {outs}"
-
-
-@dataclass(frozen=True)
-class NodeChoice:
-    name: str
-    op: str
-    inputs: tuple[Spec, ...]
-    outputs: tuple[Spec, ...]
-    compute_s: float
-    alternatives: int  # how many strategies the solver could pick from
-    module: str = ""  # the nn.Module path the op came from, e.g. "transformer.h.0.attn"
-    options: tuple[Alternative, ...] = ()  # what the solver could pick (see Plan.explain)
-    group: str = ""  # the decision group's leader (a follower moves with it)
-
-    def __str__(self) -> str:
-        ins = ",".join(str(s) for s in self.inputs)
-        outs = ",".join(str(s) for s in self.outputs)
-        return f"{self.name}: ({ins}) -> {outs}"
-
-
-@dataclass(frozen=True)
-class EdgePlan:
-    """What happens between output `index` of `producer` and input `position` of `consumer`."""
-
-    producer: str
-    index: int
-    consumer: str
-    position: int
-    steps: tuple[Step, ...]
-    comm_s: float
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One communicating step in forward order (its backward conjugate beside it)."""
-
-    kind: str
-    axis: int
-    nbytes: int  # bytes this rank sends into the collective (its local buffer)
-    producer: str
-    consumer: str
-    backward: str
-
-    def __str__(self) -> str:
-        return f"{self.kind}(axis {self.axis}, {self.nbytes} B) {self.producer} -> {self.consumer}"
-
-
-@dataclass(frozen=True)
-class SolverReport:
-    solver: str
-    status: str
-    objective_s: float  # the ILP's objective; equals Plan.total_s when the model is exact
-    gap: Optional[float]
-    solve_time_s: float
-    variables: int
-    constraints: int
-    groups: int  # decision groups with their own variables (after following and clustering)
-    shared_blocks: int = 0  # repeated blocks that reused another block's variables
+from autopar.core import plan_io
+from autopar.core.kinds import NodeKind
+from autopar.core.mesh import Mesh
+from autopar.core.plan_parts import Collective, EdgePlan, NodeChoice, SolverReport
 
 
 @dataclass(frozen=True)
@@ -137,7 +58,7 @@ class Plan:
         out = []
         for e in self.edges:
             for s in e.steps:
-                if s.kind in COMMUNICATING or (include_grad_only and s.backward in COMMUNICATING):
+                if s.kind.communicates or (include_grad_only and s.backward.communicates):
                     nbytes = s.before.local_nbytes(self.mesh.shape) if s.before is not None else 0
                     out.append(Collective(s.kind, s.axis, nbytes, e.producer, e.consumer, s.backward))
         return tuple(out)
@@ -147,7 +68,7 @@ class Plan:
         kinds: dict[str, int] = {}
         for c in cols:
             kinds[f"{c.kind}@axis{c.axis}"] = kinds.get(f"{c.kind}@axis{c.axis}", 0) + 1
-        params = [n for n in self.nodes if n.op == "placeholder:parameter"]
+        params = [n for n in self.nodes if n.kind is NodeKind.PARAMETER]
         sharded = sum(1 for n in params if not n.outputs[0].is_replicated())
         lines = [
             f"Plan for {self.model_name} on mesh {self.mesh.shape} ({'training' if self.training else 'inference'}, "
@@ -230,19 +151,26 @@ class Plan:
         return "\n".join(lines + changed)
 
     # ---- artifacts -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The JSON-ready form (schema in autopar/core/plan_io.py)."""
+        return plan_io.plan_to_dict(self)
+
+    @staticmethod
+    def from_dict(data: dict, source: str = "<dict>") -> "Plan":
+        """A Plan from its JSON-ready form; PlanFileError naming `source` if it is not one."""
+        return Plan(**plan_io.plan_fields(data, source))
+
     def to_json(self, path) -> None:
-        """Save atomically as JSON (schema in autopar/plan_io.py)."""
-        from autopar import plan_io
+        """Save atomically as JSON: a reader sees the old file or the new one, never half."""
         plan_io.save(self, path)
 
     @staticmethod
     def from_json(path) -> "Plan":
-        from autopar import plan_io
-        return plan_io.load(path)
+        """Load and validate a saved plan; PlanFileError naming the file if it is unusable."""
+        return Plan(**plan_io.load_fields(path))
 
     def digest(self) -> str:
         """A hash of everything that decides what the ranks run (placements and steps)."""
-        import hashlib
         h = hashlib.sha256(repr((self.mesh.shape, self.fingerprint)).encode())
         for n in self.nodes:
             h.update(repr((n.name, [str(s) for s in n.inputs], [str(s) for s in n.outputs])).encode())

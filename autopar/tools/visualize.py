@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence
 
-from autopar.placement import Partial, Shard, Spec
-from autopar.plan import Plan
+from autopar.core.kinds import NodeKind
+from autopar.core.placement import Partial, Shard, Spec
+from autopar.core.plan import Plan
 
 
 def _plt():
@@ -47,9 +48,9 @@ def _block(spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> 
 
 
 def _default_tensors(plan: Plan, limit: int = 6) -> list[str]:
-    params = [n for n in plan.nodes if n.op == "placeholder:parameter" and n.outputs]
+    params = [n for n in plan.nodes if n.kind is NodeKind.PARAMETER and n.outputs]
     params.sort(key=lambda n: -n.outputs[0].meta.nbytes)
-    acts = [n for n in plan.nodes if not n.op.startswith("placeholder") and n.outputs and n.op != "output"
+    acts = [n for n in plan.nodes if n.kind in (NodeKind.OP, NodeKind.GETITEM) and n.outputs
             and not n.outputs[0].is_replicated()]
     return [n.name for n in params[: limit - 2]] + [n.name for n in acts[:2]]
 
@@ -98,7 +99,7 @@ def graph_figure(plan: Plan, max_nodes: int = 400):
     for e in plan.edges:
         if e.producer in g and e.consumer in g:
             g.add_edge(e.producer, e.consumer)
-            if any(s.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") for s in e.steps):
+            if any(s.kind.communicates for s in e.steps):
                 comm_edges.append((e.producer, e.consumer))
     for layer, nodes in enumerate(nx.topological_generations(g)):
         for name in nodes:

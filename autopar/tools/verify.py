@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autopar import _compat
-from autopar.placement import Partial, local_chunk
+from autopar.core.placement import Partial, local_chunk
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""JSON files that are never half-written and never silently misread.
+
+Plans (autopar/core/plan_io.py) and cost profiles are both saved through these two
+functions: a write goes to a temporary file beside the target and is renamed over it,
+so a reader sees the old file or the new one; a read names the file and what is wrong
+with it (missing, truncated, not JSON) in a PlanFileError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from autopar.core.errors import PlanFileError
+
+
+def write_json_atomic(path: "str | os.PathLike", data: Any) -> None:
+    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".json.tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: "str | os.PathLike", what: str, remedy: str) -> Any:
+    """The parsed contents of `path`; `what` ("plan file", "profile") and `remedy` (how to
+    make a good one) go into the error when it is missing or damaged."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise PlanFileError(f"{what} {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanFileError(f"{what} {path} is corrupt or truncated ({e}); {remedy}") from None

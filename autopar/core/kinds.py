@@ -1,0 +1,73 @@
+"""The kinds of things a plan talks about, as enums rather than strings to parse.
+
+Both are `str` enums: their values are what plan files store, so a saved plan reads
+the same as before, and `StepKind("all_gather")` is how a file's text comes back. They
+hash like their values (an Enum hashes its member name otherwise), so a member and its
+text are one dictionary key, as they are equal.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class NodeKind(str, Enum):
+    """What a node of the traced graph is. The first four are graph inputs."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    CONSTANT = "constant"  # a tensor the trace lifted (not in the state dict)
+    USER_INPUT = "user_input"  # a tensor leaf of the call's args/kwargs
+    GETITEM = "getitem"  # one output of a multi-output op
+    OUTPUT = "output"
+    OP = "op"  # an ATen operator call
+
+    @property
+    def is_input(self) -> bool:
+        return self in _INPUTS
+
+    @property
+    def is_state(self) -> bool:
+        """Parameters and buffers: held by the module, sharded once, fed every step."""
+        return self in (NodeKind.PARAMETER, NodeKind.BUFFER)
+
+    @property
+    def computes(self) -> bool:
+        """Nodes that run an operator (and so cost compute and have strategies to price)."""
+        return self is NodeKind.OP
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+_INPUTS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.USER_INPUT})
+
+
+class StepKind(str, Enum):
+    """One move of a reshard step on one mesh axis, forward or backward (autopar/core/resharding.py)."""
+
+    IDENTITY = "identity"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    SLICE = "slice"
+    TO_PARTIAL = "to_partial"
+    GRAD_SYNC = "grad_sync"
+
+    @property
+    def communicates(self) -> bool:
+        """Moves bytes between ranks (slice, to_partial, grad_sync's forward and identity do not)."""
+        return self in _COMMUNICATING
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+_COMMUNICATING = frozenset({StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER, StepKind.ALL_TO_ALL})

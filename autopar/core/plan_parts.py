@@ -1,0 +1,95 @@
+"""The pieces a Plan is made of: per-node choices, per-edge steps, the solver's report.
+
+Plain frozen values, shared by the Plan (autopar/core/plan.py) and its file schema
+(autopar/core/plan_io.py), which is why they live apart from the Plan class itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from autopar.core.kinds import NodeKind, StepKind
+from autopar.core.placement import Spec
+from autopar.core.resharding import Step
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One strategy the solver could have picked for a node, priced with every other
+    node held at its chosen strategy: its own compute, the reshards into it from its
+    producers' chosen outputs, and from it into its consumers' chosen inputs."""
+
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+    compute_s: float
+    reshard_in_s: float
+    reshard_out_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.reshard_in_s + self.reshard_out_s
+
+    def label(self) -> str:
+        ins = ",".join(str(s) for s in self.inputs)
+        outs = ",".join(str(s) for s in self.outputs)
+        return f"({ins}) -> {outs}"
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    name: str
+    op: str  # the ATen overload ("aten.mm.default"), or "placeholder" / "getitem" / "output"
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+    compute_s: float
+    alternatives: int  # how many strategies the solver could pick from
+    module: str = ""  # the nn.Module path the op came from, e.g. "transformer.h.0.attn"
+    options: tuple[Alternative, ...] = ()  # what the solver could pick (see Plan.explain)
+    group: str = ""  # the decision group's leader (a follower moves with it)
+    kind: NodeKind = NodeKind.OP  # graph input (which kind), getitem, output, or an op
+
+    def __str__(self) -> str:
+        ins = ",".join(str(s) for s in self.inputs)
+        outs = ",".join(str(s) for s in self.outputs)
+        return f"{self.name}: ({ins}) -> {outs}"
+
+
+@dataclass(frozen=True)
+class EdgePlan:
+    """What happens between output `index` of `producer` and input `position` of `consumer`."""
+
+    producer: str
+    index: int
+    consumer: str
+    position: int
+    steps: tuple[Step, ...]
+    comm_s: float
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One communicating step in forward order (its backward conjugate beside it)."""
+
+    kind: StepKind
+    axis: int
+    nbytes: int  # bytes this rank sends into the collective (its local buffer)
+    producer: str
+    consumer: str
+    backward: StepKind
+
+    def __str__(self) -> str:
+        return f"{self.kind}(axis {self.axis}, {self.nbytes} B) {self.producer} -> {self.consumer}"
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    solver: str
+    status: str
+    objective_s: float  # the ILP's objective; equals Plan.total_s when the model is exact
+    gap: Optional[float]
+    solve_time_s: float
+    variables: int
+    constraints: int
+    groups: int  # decision groups with their own variables (after following and clustering)
+    shared_blocks: int = 0  # repeated blocks that reused another block's variables

@@ -1,0 +1,133 @@
+"""Command line: plan, show, diff, code, coverage.
+
+    python -m autopar plan gpt2-tiny --mesh 2,4 --out plan.json
+    python -m autopar show plan.json
+    python -m autopar diff a.json b.json
+    python -m autopar code gpt2-tiny --mesh 2,4 --rank 3 [--plan plan.json]
+    python -m autopar coverage [models...] [--mesh 2,4] [--training]
+
+Exit codes: 0 done, 1 autopar refused (message on stderr), 2 bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"mesh must look like 2,4 (got {text!r})") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    from autopar.tools import zoo
+    p = argparse.ArgumentParser(prog="python -m autopar", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    models_help = f"one of {', '.join(zoo.names())}, or package.module:factory"
+
+    def model_args(sp):
+        sp.add_argument("model", help=models_help)
+        sp.add_argument("--mesh", type=_mesh, required=True, help="mesh shape, e.g. 2,4")
+        sp.add_argument("--device", default="cpu", help="cost-model preset: cpu, a100, h100, h200")
+        sp.add_argument("--batch", type=int, default=4)
+        sp.add_argument("--seq", type=int, default=32)
+        sp.add_argument("--training", action="store_true", help="plan a training step (forward + backward)")
+
+    sp = sub.add_parser("plan", help="plan a model offline and save the plan as JSON")
+    model_args(sp)
+    sp.add_argument("--out", required=True, help="where to write the plan (JSON, written atomically)")
+    sp = sub.add_parser("show", help="print a saved plan")
+    sp.add_argument("plan")
+    sp.add_argument("--nodes", action="store_true", help="also list every node's placement")
+    sp = sub.add_parser("diff", help="compare two saved plans")
+    sp.add_argument("a")
+    sp.add_argument("b")
+    sp = sub.add_parser("code", help="print the Python source one rank runs")
+    model_args(sp)
+    sp.add_argument("--rank", type=int, default=0)
+    sp.add_argument("--plan", help="use this saved plan instead of solving")
+    sp = sub.add_parser("coverage", help="which rules (hand, discovered, none) shard each zoo model")
+    sp.add_argument("models", nargs="*", help=f"default: every tiny model ({models_help})")
+    sp.add_argument("--mesh", type=_mesh, default=(2, 4), help="mesh shape (default 2,4)")
+    sp.add_argument("--device", default="cpu", help="cost-model preset: cpu, a100, h100, h200")
+    sp.add_argument("--training", action="store_true", help="plan training steps")
+    sp.add_argument("--ops", action="store_true", help="also list the ops hand-written rules covered")
+    return p
+
+
+def _plan(args):
+    import autopar
+    from autopar.tools import zoo
+    model, margs, mkwargs = zoo.build(args.model, args.batch, args.seq, args.training)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(model, margs, mkwargs, mesh=args.mesh, device=args.device, training=args.training), \
+            (model, margs, mkwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from autopar import Plan
+    from autopar.core.errors import AutoparError
+    try:
+        if args.command == "plan":
+            plan, _ = _plan(args)
+            plan.to_json(args.out)
+            print(plan.summary())
+            print(f"wrote {args.out}")
+        elif args.command == "show":
+            plan = Plan.from_json(args.plan)
+            print(plan.summary())
+            print("collectives (forward order):")
+            for c in plan.collectives():
+                print(f"  {c}")
+            if args.nodes:
+                print(plan.table())
+        elif args.command == "diff":
+            print(Plan.from_json(args.a).diff(Plan.from_json(args.b)))
+        elif args.command == "code":
+            print(_code(args))
+        elif args.command == "coverage":
+            from autopar.tools import zoo
+            from autopar.tools.coverage import coverage, report
+            from autopar.core.options import Options
+            names = args.models or [n for n in zoo.names() if n.endswith("-tiny")]
+            rows = coverage(names, args.mesh, Options(device=args.device, training=args.training))
+            print(report(rows, args.mesh, hand_ops=args.ops))
+            return 1 if any(r.error for r in rows) else 0
+    except (AutoparError, ValueError, ImportError) as e:
+        print(f"autopar: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _code(args) -> str:
+    from autopar import Plan
+    from autopar.tools import zoo
+    from autopar.core.mesh import Mesh
+    from autopar.passes.emit import emit
+    from autopar.passes.trace import trace
+    from autopar.passes.planning import plan_traced
+    from autopar.core.options import Options
+    model, margs, mkwargs = zoo.build(args.model, args.batch, args.seq, args.training)
+    traced = trace(model, margs, mkwargs)
+    mesh = Mesh.of(args.mesh)
+    if not 0 <= args.rank < mesh.size:
+        raise ValueError(f"--rank {args.rank} is not a rank of mesh {mesh.shape} (0..{mesh.size - 1})")
+    if args.plan:
+        plan = Plan.from_json(args.plan)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_traced(traced, mesh, Options(device=args.device, training=args.training))[1]
+    program = emit(traced, plan, mesh.coords(args.rank))
+    return f"# rank {args.rank} at mesh coordinates {mesh.coords(args.rank)} of {mesh.shape}\n{program.code}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

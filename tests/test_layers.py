@@ -1,0 +1,124 @@
+"""The layers import one way: core -> cost_models -> passes -> runtime -> tools and API.
+
+Each module is imported alone in a fresh interpreter; no module of a higher layer may
+appear in sys.modules afterwards (not even through an import inside a function that
+ran at import time, nor through `autopar/__init__.py`, which loads lazily).
+A second check reads every import statement, including those inside functions, so a
+back edge that only runs when a function is called fails here too.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# module prefix -> layer rank (lower ranks never import higher ones)
+LAYERS = (
+    ("autopar._version", 0), ("autopar._compat", 0), ("autopar.core", 0),
+    ("autopar.cost_models", 1),
+    ("autopar.passes", 2),
+    ("autopar.runtime", 3),
+    ("autopar.tools", 4), ("autopar.api", 4), ("autopar.__main__", 4),
+)
+SOURCE_DIRS = {"autopar": ROOT / "autopar", "autopar.passes": ROOT / "passes",
+               "autopar.cost_models": ROOT / "cost_models"}
+
+
+def layer_of(module: str) -> int | None:
+    for prefix, rank in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return rank
+    return None
+
+
+def all_modules() -> list[str]:
+    out = []
+    for package, folder in SOURCE_DIRS.items():
+        for f in sorted(folder.rglob("*.py")):
+            rel = f.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            if layer_of(name) is not None:
+                out.append(name)
+    return sorted(set(out))
+
+
+def test_every_module_has_a_layer():
+    names = all_modules()
+    assert len(names) > 40
+    orphans = [f for package, folder in SOURCE_DIRS.items() for f in folder.rglob("*.py")
+               if layer_of(".".join([package, *[p for p in f.relative_to(folder).with_suffix("").parts
+                                                 if p != "__init__"]])) is None
+               and f.name != "__init__.py"]
+    assert orphans == [], f"modules outside every layer (add them to a layer folder): {orphans}"
+
+
+def _loaded_after_import(modules: list[str]) -> dict[str, list[str]]:
+    code = ("import importlib, json, sys\n"
+            f"out = {{}}\n"
+            f"for m in {modules!r}:\n"
+            "    before = set(sys.modules)\n"
+            "    importlib.import_module(m)\n"
+            "    out[m] = sorted(x for x in sys.modules if x.startswith('autopar'))\n"
+            "    for x in [x for x in sys.modules if x.startswith('autopar')]:\n"
+            "        del sys.modules[x]\n"
+            "print(json.dumps(out))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_importing_a_layer_loads_nothing_above_it():
+    """A fresh interpreter imports each module in turn (sys.modules cleared of autopar
+    between them): what came along must sit in the same layer or below."""
+    modules = all_modules()
+    loaded = _loaded_after_import(modules)
+    back_edges = []
+    for m in modules:
+        own = layer_of(m)
+        above = [x for x in loaded[m] if (layer_of(x) or 0) > own]
+        if above:
+            back_edges.append(f"{m} (layer {own}) loads {above}")
+    assert back_edges == [], "\n".join(back_edges)
+
+
+def test_the_planner_loads_without_torch_distributed_process_groups():
+    loaded = _loaded_after_import(["autopar.passes.solve", "autopar.passes.emit"])
+    for m, mods in loaded.items():
+        assert not any(x.startswith("autopar.runtime") for x in mods), (m, mods)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("module", all_modules())
+def test_no_import_statement_points_up(module):
+    """Also imports inside functions (which the fresh-interpreter check cannot see)."""
+    package = next(p for p in sorted(SOURCE_DIRS, key=len, reverse=True) if module.startswith(p))
+    rel = module[len(package):].lstrip(".").replace(".", "/")
+    folder = SOURCE_DIRS[package]
+    path = folder / (rel + ".py") if (folder / (rel + ".py")).exists() else folder / rel / "__init__.py"
+    own = layer_of(module)
+    bad = []
+    for line, name in _imports(path):
+        if name == "autopar":
+            continue
+        target = layer_of(name)
+        if target is not None and target > own:
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert bad == [], "\n".join(bad)
