@@ -17,10 +17,6 @@ def tree_unflatten(leaves: list, spec: Any) -> Any:
     return _pytree.tree_unflatten(leaves, spec)
 
 
-def treespec_str(spec: Any) -> str:
-    return str(spec)
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

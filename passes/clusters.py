@@ -40,9 +40,6 @@ class Blocks:
     rep: dict[str, str]  # node -> representative node (itself when not clustered)
     shared_blocks: int  # blocks that reuse another block's variables
 
-    def same_block(self, a: str, b: str) -> bool:
-        return self.block_of.get(a) == self.block_of.get(b)
-
 
 def block_key(path: str) -> Optional[tuple[str, int]]:
     m = BLOCK_PATH.match(path)

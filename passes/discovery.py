@@ -6,14 +6,16 @@ For an op at its traced shapes and arguments:
 
 1. Candidates (one mesh axis): every way to split a set of inputs along dims of one
    common size (the same logical dim seen by each), each floating input alone as a
-   partial sum, and all floating inputs as partial sums together; for each, every
-   output layout R, S(d), P(sum).
+   partial sum, and all floating inputs as partial sums together (MAX_INPUT_PATTERNS
+   input layouts at most, the partial sums always among them); for each, every output
+   layout R, S(d), P(sum).
 2. Test: random inputs at the traced shapes; the op runs shard by shard on a simulated
    axis (passes/simulate.py: the same block cutting and shape-argument localisation the
    runtime uses) and the outputs are reassembled under the candidate output layout. A
    candidate holds when the result equals the unsharded op's on two independent draws
    and on 2 and (where it divides) 4 shards: exactly for integer and boolean outputs, to
-   float rounding (1e-5 relative) otherwise.
+   float rounding (1e-5 relative) otherwise; zero-element outputs (batch norm's saved
+   statistics in eval mode) hold when their shapes match.
 3. What holds is the op's rule set (replication always among them), cached per op,
    arguments and shape signature for the life of the process.
 
@@ -30,9 +32,9 @@ on the real data.
 
 from __future__ import annotations
 
-from itertools import product
+from itertools import islice, product
 from math import prod
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -41,7 +43,7 @@ from autopar.core.placement import P, Placement, R, Shard, TensorMeta
 from autopar.passes.rules import AxisRule, OpCall, TensorArg, expand
 
 DISCOVERY_MAX_ELEMENTS = 1 << 20  # per call, summed over inputs and outputs
-MAX_INPUT_PATTERNS = 64
+MAX_INPUT_PATTERNS = 64  # input layouts tried per op, over all candidates
 SHARD_COUNTS = (2, 4)
 SEEDS = (0, 1)
 
@@ -93,22 +95,25 @@ def _freeze(x: Any) -> Any:
 # ---- 1. candidates -----------------------------------------------------------------
 
 def input_patterns(call: OpCall) -> list[tuple[Placement, ...]]:
+    """At most MAX_INPUT_PATTERNS input layouts: the partial-sum ones always, splits in
+    order of dim size up to the cap."""
     n = len(call.inputs)
-    patterns: dict[tuple[Placement, ...], None] = {}
-    sizes = sorted({s for m in call.inputs for s in m.shape if s > 1})
-    for size in sizes:
+    floats = [i for i, m in enumerate(call.inputs) if m.dtype.is_floating_point]
+    partials = [tuple(P if j == i else R for j in range(n)) for i in floats]
+    if len(floats) > 1:
+        partials.append(tuple(P if j in floats else R for j in range(n)))
+    room = max(0, MAX_INPUT_PATTERNS - len(partials))
+    return (list(islice(_split_patterns(call), room)) + partials)[:MAX_INPUT_PATTERNS]
+
+
+def _split_patterns(call: OpCall) -> Iterator[tuple[Placement, ...]]:
+    """Inputs split along dims of one common size, lazily (the product can be huge); a
+    split belongs to one size, so none repeats."""
+    for size in sorted({s for m in call.inputs for s in m.shape if s > 1}):
         options = [[R] + [Shard(d) for d, s in enumerate(m.shape) if s == size] for m in call.inputs]
         for combo in product(*options):
             if any(p != R for p in combo):
-                patterns[tuple(combo)] = None
-            if len(patterns) >= MAX_INPUT_PATTERNS:
-                break
-    floats = [i for i, m in enumerate(call.inputs) if m.dtype.is_floating_point]
-    for i in floats:
-        patterns[tuple(P if j == i else R for j in range(n))] = None
-    if len(floats) > 1:
-        patterns[tuple(P if j in floats else R for j in range(n))] = None
-    return list(patterns)
+                yield tuple(combo)
 
 
 def output_options(meta: TensorMeta) -> list[Placement]:
@@ -143,7 +148,7 @@ def _outputs(out: Any) -> list[torch.Tensor]:
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    if not want.dtype.is_floating_point:
+    if not want.dtype.is_floating_point or want.numel() == 0:
         return torch.equal(got, want)
     return torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6 * max(1.0, want.abs().max().item()),
                           equal_nan=True)

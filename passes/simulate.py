@@ -22,7 +22,7 @@ from autopar.passes.rewrite import localize_call
 from autopar.passes.rules import OpCall, Strategy, TensorArg
 
 
-def op_call_of(target: Any, args: tuple, kwargs: dict, training: bool = False) -> tuple[OpCall, list[torch.Tensor]]:
+def op_call_of(target: Any, args: tuple, kwargs: dict) -> tuple[OpCall, list[torch.Tensor]]:
     """The OpCall a rule sees for a call with real tensors, and the tensors in order."""
     leaves, spec = _compat.tree_flatten((args, kwargs))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -32,7 +32,7 @@ def op_call_of(target: Any, args: tuple, kwargs: dict, training: bool = False) -
     out = target(*args, **kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     call = OpCall(target, tuple(margs), dict(mkwargs), tuple(TensorMeta.of(t) for t in tensors),
-                  tuple(TensorMeta.of(o) for o in outs), training)
+                  tuple(TensorMeta.of(o) for o in outs))
     return call, tensors
 
 

@@ -2,26 +2,29 @@
 
     model(*args, **kwargs)  ->  TracedGraph(gm, inputs, out_spec, fingerprint)
 
-1. Flatten (args, kwargs) into tensor leaves; non-tensor leaves become constants of
-   the trace (a different constant is a different signature).
+1. Flatten (args, kwargs) into tensor leaves; non-tensor leaves (None included) become
+   constants of the trace (a different constant is a different signature).
 2. torch.export the model behind a wrapper that takes only the tensor leaves, with
-   transformers' KV cache switched off.
-3. Read the graph signature: every placeholder is a parameter, buffer, constant or
-   user input; refuse graphs that mutate inputs or buffers.
+   transformers' KV cache switched off while it runs (the user's config is restored).
+3. Functionalise in-place writes to intermediate values.
+4. Read the graph signature: every placeholder is a parameter, buffer, constant or
+   user input; refuse graphs that write parameters, buffers or inputs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import Any, Iterator
 
 import torch
 from torch import fx, nn
 
 from autopar import _compat
-from autopar.core.errors import TraceError, UnsupportedModelError
+from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
 
@@ -42,12 +45,19 @@ class TracedGraph:
     inputs: tuple[GraphInput, ...]
     in_spec: Any  # pytree spec of (args, kwargs)
     out_spec: Any  # pytree spec of the model's output
-    leaf_constants: tuple  # non-tensor leaves of the inputs, None where a tensor sits
+    leaf_constants: tuple  # non-tensor leaves of the inputs, Leaf.TENSOR where a tensor sits
     constants: dict  # lifted tensor constants by name
     fingerprint: str
     model_name: str
     training: bool
     input_paths: tuple[str, ...] = ()  # readable path of each tensor leaf: "kwargs['input_ids']"
+
+
+class Leaf(Enum):
+    """Marks the place of a tensor among the constant leaves of the inputs (a None leaf is
+    an input's own value)."""
+
+    TENSOR = "tensor"
 
 
 class _TensorLeafCall(nn.Module):
@@ -61,7 +71,7 @@ class _TensorLeafCall(nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         it = iter(tensors)
-        leaves = [next(it) if leaf is None else leaf for leaf in self.leaves]
+        leaves = [next(it) if leaf is Leaf.TENSOR else leaf for leaf in self.leaves]
         args, kwargs = _compat.tree_unflatten(leaves, self.in_spec)
         return self.model(*args, **kwargs)
 
@@ -69,26 +79,35 @@ class _TensorLeafCall(nn.Module):
 def flatten_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any, tuple]:
     leaves, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    consts = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+    consts = tuple(Leaf.TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
     return tensors, spec, consts
 
 
-def _no_kv_cache(model: nn.Module, kwargs: dict) -> dict:
+@contextmanager
+def _kv_cache_off(model: nn.Module) -> Iterator[None]:
+    """transformers' `config.use_cache = False` while tracing; the user's value after."""
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
-    return kwargs
+    if config is None or not hasattr(config, "use_cache"):
+        yield
+        return
+    before = config.use_cache
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = before
 
 
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> TracedGraph:
-    kwargs = _no_kv_cache(model, dict(kwargs or {}))
+    kwargs = dict(kwargs or {})
     # 1. flatten
     tensors, in_spec, consts = flatten_inputs(args, kwargs)
     wrapper = _TensorLeafCall(model, in_spec, consts)
     name = type(model).__name__
     # 2. export
     try:
-        ep = torch.export.export(wrapper, tuple(tensors), strict=False)
+        with _kv_cache_off(model):
+            ep = torch.export.export(wrapper, tuple(tensors), strict=False)
     except Exception as e:  # noqa: BLE001 - quote torch.export's reason, whatever its type
         reason = str(e).strip().splitlines()
         head = "\n".join(reason[:12])
@@ -104,8 +123,9 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecation notes
             ep = ep.run_decompositions({})
     # 4. signature
-    inputs = _rename_placeholders(ep.graph_module, _graph_inputs(ep, name))
-    _refuse_input_writes(ep.graph_module, inputs, name)
+    inputs = _graph_inputs(ep, name)
+    _refuse_state_writes(ep, inputs, name)
+    inputs = _rename_placeholders(ep.graph_module, inputs)
     return TracedGraph(
         gm=ep.graph_module,
         inputs=inputs,
@@ -130,12 +150,6 @@ def _strip(target: str) -> str:
 
 
 def _graph_inputs(ep: Any, model_name: str) -> tuple[GraphInput, ...]:
-    for spec in ep.graph_signature.output_specs:
-        if spec.kind.name != "USER_OUTPUT":
-            raise UnsupportedModelError(
-                f"model {model_name} mutates {spec.target or spec.arg.name} in forward ({spec.kind.name}); "
-                "autopar does not parallelise in-place updates of buffers or inputs yet. "
-                "Call model.eval() (BatchNorm running stats) or make the update functional.")
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     out = []
     user_index = 0
@@ -198,35 +212,47 @@ def writes_intermediates(gm: fx.GraphModule) -> bool:
                for w in written_args(node))
 
 
-def _refuse_input_writes(gm: fx.GraphModule, inputs: tuple[GraphInput, ...], model_name: str) -> None:
+def _refuse_state_writes(ep: Any, inputs: tuple[GraphInput, ...], model_name: str) -> None:
     """Each rank holds its own block of parameters, buffers and inputs, so an in-place
-    update of one (BatchNorm's running statistics, a counter) would silently diverge."""
+    update of one (BatchNorm's running statistics, a counter) would silently diverge.
+    A write shows as an op that writes a placeholder in place or, where step 3
+    functionalised the graph (a write through a view), as an output that updates one."""
     by_name = {gi.name: gi for gi in inputs}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        for value in written_args(node):
-            gi = by_name.get(value.name)
-            if gi is not None:
-                from autopar.core.errors import describe_node
-                what = gi.target if isinstance(gi.target, str) else f"input #{gi.target}"
-                raise UnsupportedModelError(
-                    f"model {model_name} mutates {gi.kind} {what} in place at {describe_node(node)}; "
-                    "autopar does not parallelise in-place updates of parameters, buffers or inputs yet. "
-                    "Call model.eval() (BatchNorm running statistics) or make the update functional.")
+    by_target = {gi.target: gi for gi in inputs if isinstance(gi.target, str)}
+    writes = [(node, _state_name(by_name[value.name])) for node in ep.graph.nodes if node.op == "call_function"
+              for value in written_args(node) if value.name in by_name]
+    nodes = {n.name: n for n in ep.graph.nodes}
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind.name != "USER_OUTPUT":
+            gi = by_name.get(spec.target) or by_target.get(_strip(spec.target or ""))
+            writes.append((nodes[spec.arg.name], _state_name(gi) if gi else f"{spec.target} ({spec.kind.name})"))
+    if writes:
+        node, what = writes[0]
+        raise UnsupportedModelError(
+            f"model {model_name} mutates {what} in place at {describe_node(node)}; "
+            "autopar does not parallelise in-place updates of parameters, buffers or inputs yet. "
+            "Call model.eval() (BatchNorm running statistics) or make the update functional.")
+
+
+def _state_name(gi: GraphInput) -> str:
+    """'buffer bn.running_mean', 'user_input input #0'."""
+    return f"{gi.kind} {gi.target}" if isinstance(gi.target, str) else f"{gi.kind} input #{gi.target}"
 
 
 def fingerprint(gm: fx.GraphModule) -> str:
-    """A hash of the graph's ops, wiring, shapes and dtypes: a plan made for another
+    """A hash of the graph's ops, wiring, arguments, shapes and dtypes: a plan made for another
     graph is refused rather than applied silently."""
     h = hashlib.sha256()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
         dtype = str(val.dtype) if isinstance(val, torch.Tensor) else None
-        h.update(repr((n.op, n.name, str(n.target), _arg_repr(n.args), shape, dtype)).encode())
+        h.update(repr((n.op, n.name, str(n.target), _arg_repr(n.args), _arg_repr(n.kwargs), shape, dtype)).encode())
     return h.hexdigest()[:16]
 
 
 def _arg_repr(args: Any) -> Any:
-    return fx.node.map_arg(args, lambda a: f"%{a.name}")
+    """Arguments with nodes by name and devices left out (a plan made on the meta device,
+    or on cuda:0, is for every rank's device)."""
+    leaves, spec = _compat.tree_flatten(fx.node.map_arg(args, lambda a: f"%{a.name}"))
+    return _compat.tree_unflatten(["<device>" if isinstance(x, torch.device) else x for x in leaves], spec)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autopar.core.placement import Partial, Shard, TensorMeta
+from autopar.core.placement import Partial, Replicate, Shard, TensorMeta
 from autopar.passes import discovery
 from autopar.passes.rules import expand, rule_for
 from autopar.passes.simulate import op_call_of, run_sharded
@@ -104,3 +104,28 @@ def test_results_are_cached_per_signature():
     other, _ = op_call_of(aten.flip.default, (torch.randn(4, 8), [1]), {})
     discovery.discover(other)
     assert len(discovery._CACHE) == 2
+
+
+def test_the_number_of_input_patterns_tried_is_capped():
+    # six inputs of one size and two dims each: 3^6 sharding combinations, more than the cap
+    call, _ = op_call_of(aten.stack.default, ([torch.randn(4, 4) for _ in range(6)],), {})
+    patterns = discovery.input_patterns(call)
+    assert len(patterns) <= discovery.MAX_INPUT_PATTERNS
+    partial_alone = [tuple(Partial("sum") if j == i else Replicate() for j in range(6)) for i in range(6)]
+    assert all(p in patterns for p in partial_alone)  # linearity is still tried
+    # two sizes, each with more combinations than the cap
+    call, _ = op_call_of(aten.cat.default, ([torch.randn(2, 2, 3, 3) for _ in range(4)],), {})
+    assert len(discovery.input_patterns(call)) <= discovery.MAX_INPUT_PATTERNS
+
+
+def test_ops_with_zero_element_outputs_are_discovered():
+    # batch norm in eval mode returns empty saved statistics beside its output
+    x, w, b, mean, var = torch.randn(8, 4), torch.randn(4), torch.randn(4), torch.randn(4), torch.rand(4) + 0.5
+    call, _ = op_call_of(aten._native_batch_norm_legit_no_training.default, (x, w, b, mean, var, 0.1, 1e-5), {})
+    assert call.outputs[1].shape == (0,)
+    found = discovery.discover(call)
+    assert found is not None
+    batch_split = (Shard(0), Replicate(), Replicate(), Replicate(), Replicate())
+    assert any(r.inputs == batch_split and r.outputs[0] == Shard(0) for r in found)
+    assert not any(r.inputs[0] == Shard(1) and r.outputs[0] == Shard(1) and r.inputs[1] == Replicate()
+                   for r in found)  # channels need their own statistics

@@ -16,7 +16,6 @@ from typing import Any, Callable
 import torch
 
 # family -> (config class, model class, inputs kind, fixed config values)
-_NO_DROPOUT = dict(attention_dropout=0.0)
 FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", "causal",
              dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
@@ -114,7 +113,7 @@ def build(name: str, batch: int = 4, seq: int = 32, training: bool = False, seed
         positions = {"max_position_embeddings": max(seq, 32) + 2}
     elif config_cls == "T5Config":  # relative position buckets
         positions = {}
-    config = getattr(T, config_cls)(use_cache=False, **{**positions, **fixed, **cfg})
+    config = getattr(T, config_cls)(**{"use_cache": False, **positions, **fixed, **cfg})
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(T, model_cls)(config)

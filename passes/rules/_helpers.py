@@ -35,16 +35,6 @@ def broadcast_rules(call: OpCall, linear_in: tuple[int, ...] = (), partial: tupl
     return rules
 
 
-def partial_each(call: OpCall, inputs: tuple[int, ...], kinds: tuple[str, ...] = ("sum",)) -> list[AxisRule]:
-    """One rule per input in `inputs`: that input P, the others R, output P (bilinear ops)."""
-    out = []
-    for kind in kinds:
-        for i in inputs:
-            out.append(AxisRule(tuple(Partial(kind) if j == i else R for j in range(len(call.inputs))),
-                                (Partial(kind),) * len(call.outputs)))
-    return out
-
-
 def einsum_rules(equation: str, n_extra_inputs: int = 0) -> list[AxisRule]:
     """Rules of a two-operand einsum 'mk,kn->mn': a letter in both operands and the
     output is a batch dim (shard all three), in one operand and the output is a free

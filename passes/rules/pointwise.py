@@ -57,14 +57,8 @@ def _dropout_is_identity(call: OpCall) -> bool:
     return call.arg(1, "p", 0.0) == 0.0 or call.arg(2, "train", True) is False
 
 
-@register(*LINEAR_UNARY)
+@register(*LINEAR_UNARY, *CASTS)
 def linear_unary(call: OpCall) -> list[AxisRule]:
-    linear = (0,) if _float(call) else ()
-    return broadcast_rules(call, linear_in=linear, partial=("sum", "avg"))
-
-
-@register(*CASTS)
-def cast(call: OpCall) -> list[AxisRule]:
     linear = (0,) if _float(call) else ()
     return broadcast_rules(call, linear_in=linear, partial=("sum", "avg"))
 

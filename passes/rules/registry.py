@@ -35,15 +35,11 @@ class OpCall:
     kwargs: dict
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
-    training: bool = False
 
     def arg(self, i: int, name: str, default: Any = None) -> Any:
         if i < len(self.args):
             return self.args[i]
         return self.kwargs.get(name, default)
-
-    def is_tensor(self, value: Any) -> bool:
-        return isinstance(value, TensorArg)
 
 
 @dataclass(frozen=True)

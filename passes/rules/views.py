@@ -4,8 +4,6 @@ outermost non-unit dim of a merged group)."""
 
 from __future__ import annotations
 
-from math import prod
-
 import torch
 
 from autopar.core.placement import P, Partial, R, Shard
@@ -45,14 +43,10 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
     return mapping
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-          aten.flatten.using_ints, aten.unflatten.int)
+# squeezing and unsqueezing are reshapes that only add or drop unit dims
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+          aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def view(call: OpCall) -> list[AxisRule]:
-    return dim_map_rules(call, view_dim_map(call.inputs[0].shape, call.outputs[0].shape))
-
-
-@register(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
-def squeeze_unsqueeze(call: OpCall) -> list[AxisRule]:
     return dim_map_rules(call, view_dim_map(call.inputs[0].shape, call.outputs[0].shape))
 
 
@@ -144,6 +138,3 @@ def stack(call: OpCall) -> list[AxisRule]:
         rules.append(AxisRule((P,) * k, (P,)))
     return rules
 
-
-def numel(shape: tuple[int, ...]) -> int:
-    return prod(shape)

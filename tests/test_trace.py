@@ -1,0 +1,129 @@
+"""Tracing (passes/trace.py): the fingerprint tells graphs apart, the user's model is left
+as it was, every input layout torch.export takes is traced, writes to state are refused."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.core.errors import TraceError, UnsupportedModelError
+from autopar.core.kinds import NodeKind
+from autopar.passes.trace import flatten_inputs, trace
+
+
+class Div(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.div(a, b, rounding_mode=self.mode)
+
+
+def test_fingerprint_tells_apart_graphs_that_differ_only_in_a_keyword_argument():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    floor, trunc = trace(Div("floor"), (a, b)), trace(Div("trunc"), (a, b))
+    assert floor.fingerprint != trunc.fingerprint
+    assert trace(Div("floor"), (a, b)).fingerprint == floor.fingerprint
+
+
+def test_tracing_leaves_the_kv_cache_setting_of_the_users_config_as_it_was():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("transformers")
+    from autopar.tools.zoo import build
+    model, args, kwargs = build("gpt2-tiny", batch=2, seq=8, use_cache=True)
+    assert model.config.use_cache is True
+    traced = trace(model, args, kwargs)
+    assert model.config.use_cache is True
+    assert traced.out_spec.num_leaves == 2  # loss and logits: traced without the cache
+
+
+SEEN_USE_CACHE: list[bool] = []
+
+
+class WithPositions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)  # device= is a kwarg
+
+
+def test_fingerprint_does_not_depend_on_the_device():
+    # a plan made on the meta device (or on rank 0's cuda:0) is for every rank's device
+    on_cpu = trace(WithPositions(), (torch.randn(2, 8),))
+    on_meta = trace(WithPositions().to("meta"), (torch.randn(2, 8, device="meta"),))
+    assert on_cpu.fingerprint == on_meta.fingerprint
+
+
+class FailsToExport(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(use_cache=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        SEEN_USE_CACHE.append(self.config.use_cache)
+        if x.sum() > 0:  # data-dependent control flow: export refuses it
+            return x
+        return -x
+
+
+def test_config_is_restored_when_tracing_fails():
+    model = FailsToExport()
+    SEEN_USE_CACHE.clear()
+    with pytest.raises(TraceError):
+        trace(model, (torch.randn(4),))
+    assert SEEN_USE_CACHE and not any(SEEN_USE_CACHE)  # the cache was off while tracing
+    assert model.config.use_cache is True
+
+
+class OptionalMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.proj(a)
+        if b is not None:
+            out = out * b
+        return out + c if c is not None else out
+
+
+def test_none_between_tensor_arguments_traces():
+    a, c = torch.randn(2, 4), torch.randn(2, 4)
+    traced = trace(OptionalMiddle(), (a, None, c))
+    assert traced.input_paths == ("args[0]", "args[2]")
+    assert sum(gi.kind is NodeKind.USER_INPUT for gi in traced.inputs) == 2
+
+
+def test_inputs_with_none_in_different_slots_flatten_differently():
+    a, c = torch.randn(2, 4), torch.randn(2, 4)
+    _, spec1, consts1 = flatten_inputs((a, None, c), {})
+    _, spec2, consts2 = flatten_inputs((a, c, None), {})
+    assert (str(spec1), repr(consts1)) != (str(spec2), repr(consts2))
+
+
+class WritesBuffer(nn.Module):
+    def __init__(self, through_view: bool) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(4))
+        self.through_view = through_view
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.through_view:
+            self.count[0].fill_(1.0)  # a write through a view: functionalised, then refused
+        else:
+            self.count.add_(1.0)
+        return x + self.count
+
+
+@pytest.mark.parametrize("through_view", [False, True], ids=["direct", "through a view"])
+def test_a_write_to_a_buffer_is_refused_naming_it(through_view):
+    with pytest.raises(UnsupportedModelError) as err:
+        trace(WritesBuffer(through_view), (torch.randn(2, 4),))
+    assert "count" in str(err.value) and "WritesBuffer" in str(err.value) and "node " in str(err.value)
