@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Optional
 
 from torch import nn
 
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.passes.planning import plan  # noqa: F401 - re-exported
+from autopar.passes.planning import options_with, plan  # noqa: F401 - plan is re-exported
 from autopar.runtime.module import ParallelModule
 
 __all__ = ["compile", "plan"]
@@ -27,7 +26,7 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     per rank with pm.load_safetensors / load_full_state_dict / load_checkpoint onto
     `materialize_on` (default cpu). Keyword overrides go to Options (device=..., training=...).
     """
-    opts = replace(options or Options(), **option_overrides)
+    opts = options_with(options, option_overrides)
     pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on)
     if args is not None or kwargs is not None:
         if args is not None and not isinstance(args, (tuple, list)):

@@ -8,12 +8,13 @@ buffers, constants, then the user's tensor leaves, each as this rank's block."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import fx
 
 from autopar.core.errors import FingerprintMismatchError
+from autopar.core.kinds import NodeKind
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.rewrite import rewrite
@@ -39,6 +40,29 @@ def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optio
     gm = rewrite(traced, plan, device, defer_grad_sync, coords)
     specs = tuple(plan.node(gi.name).outputs[0] for gi in traced.inputs)
     return RankProgram(gm, traced.inputs, specs, coords)
+
+
+def full_inputs(inputs: Sequence[GraphInput], state: Mapping[str, torch.Tensor],
+                constants: Mapping[str, torch.Tensor], user: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole value feeding each graph input, in placeholder order: parameters and
+    buffers by state-dict name, lifted constants by name, the user's tensor leaves by index."""
+    return [state[gi.target] if gi.kind.is_state else constants[gi.target] if gi.kind is NodeKind.CONSTANT
+            else user[gi.target] for gi in inputs]
+
+
+def local_inputs(program: RankProgram, state: Mapping[str, torch.Tensor], constants: Mapping[str, torch.Tensor],
+                 user: Sequence[torch.Tensor], mesh_shape: tuple[int, ...], *, state_is_local: bool,
+                 user_is_local: bool = False) -> list[torch.Tensor]:
+    """This rank's block of every program input, in placeholder order. `state_is_local`:
+    the parameters and buffers given are already this rank's shards (the runtime's);
+    `user_is_local`: so are the user's tensors (a loader that reads only this rank's part)."""
+    values = full_inputs(program.inputs, state, constants, user)
+    out = []
+    for gi, spec, x in zip(program.inputs, program.specs, values):
+        local = ((gi.kind.is_state and state_is_local)
+                 or (gi.kind is NodeKind.USER_INPUT and (user_is_local or spec.is_replicated())))
+        out.append(x if local else shard(x, spec, mesh_shape, program.coords))
+    return out
 
 
 def shard(full: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:

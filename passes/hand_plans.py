@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from autopar.core.mesh import Mesh
 from autopar.core.placement import Placement, R, Shard
+from autopar.passes.planning import options_with, plan_traced, trace_for_planning
 
 ROW_PARALLEL = re.compile(r"(o_proj|down_proj|c_proj|out_proj|fc2|dense_4h_to_h|attention\.output\.dense|"
                           r"\.output\.dense|wo|w2)$")
@@ -126,10 +128,8 @@ def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str)
 def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any,
               style: str = "megatron", **option_overrides: Any):
     """The best complete Plan whose parameters and inputs are laid out as `style` prescribes."""
-    from autopar.core.mesh import Mesh
-    from autopar.passes.planning import _options, plan_traced, trace_for_planning
     mesh_ = Mesh.of(mesh)
     if style not in STYLES:  # before tracing: a typo should not cost a trace
         raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
     traced = trace_for_planning(model, args, kwargs)
-    return plan_traced(traced, mesh_, _options(None, option_overrides), hand_pins(model, traced, mesh_.shape, style))[1]
+    return plan_traced(traced, mesh_, options_with(None, option_overrides), hand_pins(model, traced, mesh_.shape, style))[1]

@@ -24,10 +24,18 @@ from autopar.passes.trace import TracedGraph, trace
 def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
                 pinned: Optional[dict[str, tuple[Placement, ...]]] = None,
                 profile: Optional[Profile] = None) -> tuple[AnnotatedGraph, Plan]:
-    """`profile`: measured costs to use (compute timings and calibrated links); without
-    one, Options.cost_model names a saved profile or "analytic"."""
-    training = traced.training if options.training is None else options.training
+    """Strategies, costs and the solve for a traced graph. `profile`: measured costs to
+    use (compute timings and calibrated links); without one, Options.cost_model names a
+    saved profile or "analytic"."""
     graph = annotate(traced, mesh, pinned, options.discover_rules)
+    return graph, plan_annotated(graph, options, profile)
+
+
+def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Profile] = None) -> Plan:
+    """The solve for a graph whose strategies are known (the profiler times those
+    strategies' ops first, so it annotates once and plans from the same graph)."""
+    traced, mesh = graph.traced, graph.mesh
+    training = traced.training if options.training is None else options.training
     costs = CostModel.analytic(options.device, mesh.shape, training)
     if profile is None and options.cost_model not in ("analytic", "profile"):
         profile = load_profile(options.cost_model)
@@ -43,14 +51,14 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
                 f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
                 + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
                    else ""))
-    return graph, replace(plan, cost_note=note)
+    return replace(plan, cost_note=note)
 
 
 def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),
          options: Optional[Options] = None, **option_overrides: Any) -> Plan:
     """Plan `model` for `mesh` offline (no process group): the Plan autopar.compile
     would run. Keyword overrides go to Options (e.g. device="h100", training=True)."""
-    opts = _options(options, option_overrides)
+    opts = options_with(options, option_overrides)
     return plan_traced(trace_for_planning(model, args, kwargs), Mesh.of(mesh), opts)[1]
 
 
@@ -68,7 +76,8 @@ def inputs_on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return _compat.tree_unflatten([x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves], tree)
 
 
-def _options(options: Optional[Options], overrides: dict) -> Options:
+def options_with(options: Optional[Options], overrides: dict) -> Options:
+    """`options` (default Options()) with keyword overrides; a clear error for an unknown one."""
     base = options or Options()
     try:
         return replace(base, **overrides)

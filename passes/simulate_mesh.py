@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from autopar import _compat
+from autopar.passes.emit import emit, local_inputs
 from autopar.passes.program import StepModule
 from autopar.core.mesh import Mesh
 from autopar.core.resharding import Step
@@ -120,24 +121,18 @@ def simulate(traced, plan, state: dict[str, torch.Tensor], user_tensors: list[to
              constants: dict | None = None) -> tuple[list[Any], list[dict[str, torch.Tensor]]]:
     """Every rank's outputs, and every rank's local parameter leaves (requires_grad set
     like the full ones, so a backward from the outputs fills their .grad)."""
-    from autopar.passes.emit import emit, shard
     mesh = plan.mesh
     programs, inputs, leaves = [], [], []
+    detached = {name: t.detach() for name, t in state.items()}
     for r in range(mesh.size):
-        coords = mesh.coords(r)
-        prog = emit(traced, plan, coords)
+        prog = emit(traced, plan, mesh.coords(r))
         programs.append(prog.gm)
-        local, mine = [], {}
-        for gi, spec in zip(prog.inputs, prog.specs):
-            if gi.kind in ("parameter", "buffer"):
-                full = state[gi.target]
-                t = shard(full.detach(), spec, mesh.shape, coords).requires_grad_(full.requires_grad)
-                mine[gi.target] = t
-            elif gi.kind == "constant":
-                t = shard((constants or traced.constants)[gi.target], spec, mesh.shape, coords)
-            else:
-                t = shard(user_tensors[gi.target], spec, mesh.shape, coords)
-            local.append(t)
+        local = local_inputs(prog, detached, constants or traced.constants, user_tensors, mesh.shape,
+                             state_is_local=False)
+        mine = {}
+        for gi, t in zip(prog.inputs, local):
+            if gi.kind.is_state:
+                mine[gi.target] = t.requires_grad_(state[gi.target].requires_grad)
         inputs.append(local)
         leaves.append(mine)
     outs = run_lockstep(programs, mesh, inputs)

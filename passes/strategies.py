@@ -80,7 +80,7 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-def op_call(node: fx.Node, training: bool) -> OpCall:
+def op_call(node: fx.Node) -> OpCall:
     ins = tensor_inputs(node)
     index = {id(n): i for i, n in enumerate(ins)}
 
@@ -92,7 +92,7 @@ def op_call(node: fx.Node, training: bool) -> OpCall:
     kwargs = {k: _compat.tree_unflatten([mark(x) for x in _compat.tree_flatten(v)[0]], _compat.tree_flatten(v)[1])
               for k, v in node.kwargs.items()}
     return OpCall(node.target, tuple(args), kwargs, tuple(TensorMeta.of(n.meta["val"]) for n in ins),
-                  output_metas(node), training)
+                  output_metas(node))
 
 
 def layouts(meta: TensorMeta, mesh: Mesh) -> list[Spec]:
@@ -158,7 +158,7 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
     ins = tensor_inputs(node)
     if not outs:
         return None
-    call = op_call(node, traced.training)
+    call = op_call(node)
     rule = rule_for(node.target)
     found = discover(call) if rule is None and discovered is not None else None
     if rule is not None:

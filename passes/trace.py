@@ -84,7 +84,7 @@ def flatten_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any, 
 
 
 @contextmanager
-def _kv_cache_off(model: nn.Module) -> Iterator[None]:
+def kv_cache_off(model: nn.Module) -> Iterator[None]:
     """transformers' `config.use_cache = False` while tracing; the user's value after."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "use_cache"):
@@ -106,7 +106,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     name = type(model).__name__
     # 2. export
     try:
-        with _kv_cache_off(model):
+        with kv_cache_off(model):
             ep = torch.export.export(wrapper, tuple(tensors), strict=False)
     except Exception as e:  # noqa: BLE001 - quote torch.export's reason, whatever its type
         reason = str(e).strip().splitlines()

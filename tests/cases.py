@@ -81,7 +81,7 @@ def _grad_pairs(pm, ref_grads: dict, rank: int) -> dict:
     plan = pm.plan
     used = {e.producer for e in plan.edges}
     pairs = {}
-    for gi in pm._last.traced.inputs:
+    for gi in pm.current.traced.inputs:
         if gi.kind != "parameter" or gi.name not in used:  # a tied twin the graph never reads
             continue
         spec = plan.node(gi.name).outputs[0]
@@ -137,7 +137,7 @@ def lazy_signatures(rank: int, world: int, mesh: tuple) -> dict:
             args, kwargs = models.inputs("gpt2", batch, seq)
             with torch.no_grad():
                 out[(batch, seq)] = (pm(*args, **kwargs).logits, m(*args, **kwargs).logits)
-    return {"outputs": out, "plans": len(pm._compiled)}
+    return {"outputs": out, "plans": len(pm.programs)}
 
 
 def compile_from_plan_file(rank: int, world: int, plan_path: str, mesh: tuple, model: str = "gpt2") -> dict:
@@ -195,7 +195,7 @@ def fuzz_on_ranks(rank: int, world: int, specs: list) -> dict:
         grads = {}
         for n in pm.plan.nodes:
             if n.kind is NodeKind.PARAMETER:
-                gi = next(g for g in pm._last.traced.inputs if g.name == n.name)
+                gi = next(g for g in pm.current.traced.inputs if g.name == n.name)
                 grads[gi.target] = (pm.shards.get_parameter(gi.target).grad,
                                     local_chunk(dict(ref.named_parameters())[gi.target].grad, n.outputs[0],
                                                 pm.plan.mesh.shape, pm.coords))
@@ -296,7 +296,7 @@ def training_utilities(rank: int, world: int, tmp: str) -> dict:
         from autopar.core.placement import local_chunk
         ref_grads = dict(ref.named_parameters())
         out["clipped"] = [(pm.shards.get_parameter(k).grad, local_chunk(ref_grads[k].grad, s, (2, 4), pm.coords))
-                          for k, s in pm._state_specs.items() if k in ref_grads and
+                          for k, s in pm.state_specs.items() if k in ref_grads and
                           pm.shards.get_parameter(k).grad is not None]
         # 2. full state dict loads into the original model class
         fresh = models.build("gpt2", seed=123)
@@ -398,9 +398,9 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
     for x in xs:
         (pm(x) ** 2).mean().backward()
         (ref(x) ** 2).mean().backward()
-    deferred = pm._last.program.gm.meta["autopar.deferred_grad_syncs"]
+    deferred = pm.current.program.gm.meta["autopar.deferred_grad_syncs"]
     grads = {k: (pm.shards.get_parameter(k).grad,
-                 local_chunk(p.grad, pm._state_specs[k], pm.mesh.shape, pm.coords)) for k, p in ref.named_parameters()}
+                 local_chunk(p.grad, pm.state_specs[k], pm.mesh.shape, pm.coords)) for k, p in ref.named_parameters()}
     return {"deferred": deferred, "code": pm.code, "grads": grads}
 
 

@@ -180,7 +180,7 @@ def test_plan_files_on_gloo_ranks(gpt2_plans):
             torch.testing.assert_close(got, want)
         assert same["digest"] == sharded.digest()
         # 2. a plan for another model is refused by fingerprint
-        assert other["error_type"] == "PlanFileError" and "fingerprint" in other["message"]
+        assert other["error_type"] == "FingerprintMismatchError" and "fingerprint" in other["message"]
         # 3. different plans on different ranks fail fast on every rank
         assert mismatch["error_type"] == "ProcessGroupError", (rank, mismatch)
         assert "different plans" in mismatch["message"]

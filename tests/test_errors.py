@@ -141,7 +141,7 @@ def test_new_input_shapes_are_replanned_not_misread(one_rank_group):
     for x in (torch.randn(2, 16), torch.randn(5, 16), torch.randn(2, 16)):
         with torch.no_grad():
             torch.testing.assert_close(pm(x), model(x))
-    assert len(pm._compiled) == 2  # one plan per shape signature, reused for a repeat
+    assert len(pm.programs) == 2  # one plan per shape signature, reused for a repeat
 
 
 def test_heads_that_do_not_divide_the_axis_are_never_split():

@@ -7,7 +7,8 @@ Schema version 1 (keys of the top-level object):
     autopar_version   version that wrote the file
     torch_version     torch that traced the model
     model             model class name
-    fingerprint       hash of the traced graph (ops, wiring, shapes, dtypes); a plan is only
+    fingerprint       hash of the traced graph (ops, wiring, shapes, dtypes, arguments and
+                      keyword arguments, devices aside); a plan is only
                       applied to a model whose trace has the same fingerprint
     mesh              [axis sizes]
     training          whether backward work was planned for

@@ -7,42 +7,44 @@ the splitting axes only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from autopar.runtime.collectives import _all_gather, _all_reduce
-from autopar.core.placement import Partial, Shard, Spec, local_chunk
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Partial, Shard, Spec, block_index, local_chunk
+from autopar.runtime.collectives import AxisComm, _all_gather, _all_reduce
+from autopar.runtime.shards import tied_groups
 
-if TYPE_CHECKING:
-    from autopar.runtime.module import ParallelModule
+
+class ShardedModel(Protocol):
+    """What these functions read of a ParallelModule (autopar/runtime/module.py)."""
+
+    mesh: Mesh
+    coords: tuple[int, ...]
+    comms: tuple[AxisComm, ...]
+    device: torch.device
+    device_mesh: Any
+    source_model: nn.Module
+    state_tensors: dict[str, torch.Tensor]  # state-dict name -> this rank's shard (tied names share one)
+    state_specs: dict[str, Spec]  # state-dict name -> the shard's Spec
+    loaded: bool
 
 
 def _split_axes(spec: Spec) -> tuple[int, ...]:
     return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard))
 
 
-def _unique_shards(pm: "ParallelModule"):
+def _unique_shards(pm: "ShardedModel"):
     """(name, tensor, spec) once per shard (tied names share one shard)."""
-    seen = set()
-    for name, spec in pm._state_specs.items():
-        t = _get(pm, name)
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        yield name, t, spec
-
-
-def _get(pm: "ParallelModule", dotted: str) -> torch.Tensor:
-    obj: Any = pm.shards
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
+    for group in tied_groups(pm.state_specs, pm.state_tensors.__getitem__):
+        yield group[0], pm.state_tensors[group[0]], pm.state_specs[group[0]]
 
 
 @torch.no_grad()
-def clip_grad_norm_(pm: "ParallelModule", max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(pm: "ShardedModel", max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     norm_type = float(norm_type)
     by_axes: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for _, t, spec in _unique_shards(pm):
@@ -56,7 +58,7 @@ def clip_grad_norm_(pm: "ParallelModule", max_norm: float, norm_type: float = 2.
         else:
             part = sum(g.detach().double().abs().pow(norm_type).sum() for g in grads)
         for a in axes:
-            part = _all_reduce(part.reshape(1), pm._comms[a], "max" if inf else "sum")[0]
+            part = _all_reduce(part.reshape(1), pm.comms[a], "max" if inf else "sum")[0]
         total = torch.maximum(total, part) if inf else total + part
     norm = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -66,32 +68,32 @@ def clip_grad_norm_(pm: "ParallelModule", max_norm: float, norm_type: float = 2.
     return norm.float()
 
 
-def gather_full(local: torch.Tensor, spec: Spec, pm: "ParallelModule") -> torch.Tensor:
+def gather_full(local: torch.Tensor, spec: Spec, pm: "ShardedModel") -> torch.Tensor:
     """The whole tensor from this rank's block (inner mesh axes first)."""
     out = local
     for axis in reversed(range(len(spec.placements))):
         p = spec.placements[axis]
         if isinstance(p, Shard):
-            out = _all_gather(out, p.dim, pm._comms[axis])
+            out = _all_gather(out, p.dim, pm.comms[axis])
         elif isinstance(p, Partial):
-            out = _all_reduce(out, pm._comms[axis], p.reduce)
+            out = _all_reduce(out, pm.comms[axis], p.reduce)
     return out
 
 
 @torch.no_grad()
-def full_state_dict(pm: "ParallelModule") -> dict[str, torch.Tensor]:
+def full_state_dict(pm: "ShardedModel") -> dict[str, torch.Tensor]:
     out = {}
-    for name in pm._model.state_dict():
-        if name in pm._state_specs:
-            out[name] = gather_full(_get(pm, name).detach(), pm._state_specs[name], pm).clone()
+    for name in pm.source_model.state_dict():
+        if name in pm.state_specs:
+            out[name] = gather_full(pm.state_tensors[name].detach(), pm.state_specs[name], pm).clone()
         else:  # state the traced graph never read: unchanged from the original model
-            out[name] = pm._model.state_dict()[name].detach().clone()
+            out[name] = pm.source_model.state_dict()[name].detach().clone()
     return out
 
 
 @torch.no_grad()
-def load_full_state_dict(pm: "ParallelModule", state_dict: dict[str, torch.Tensor]) -> None:
-    missing = [n for n in pm._state_specs if n not in state_dict]
+def load_full_state_dict(pm: "ShardedModel", state_dict: dict[str, torch.Tensor]) -> None:
+    missing = [n for n in pm.state_specs if n not in state_dict]
     if missing:
         raise KeyError(f"state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}; it must hold every "
                        "parameter and buffer of the compiled model (the keys of model.state_dict())")
@@ -103,21 +105,17 @@ def load_full_state_dict(pm: "ParallelModule", state_dict: dict[str, torch.Tenso
 
 
 @torch.no_grad()
-def load_safetensors(pm: "ParallelModule", path: str) -> None:
-    from safetensors import safe_open
-    from autopar.core.placement import block_index
+def load_safetensors(pm: "ShardedModel", path: str) -> None:
+    from safetensors import safe_open  # optional: only this loader needs it
     with safe_open(path, framework="pt", device="cpu") as f:
         names = set(f.keys())
-        ties: dict[int, list[str]] = {}
-        for name in pm._state_specs:
-            ties.setdefault(id(_get(pm, name)), []).append(name)
-        for group in ties.values():
+        for group in tied_groups(pm.state_specs, pm.state_tensors.__getitem__):
             present = [n for n in group if n in names]
             if not present:
                 raise KeyError(f"safetensors file {path} has no tensor {group[0]} (nor its tied names {group[1:]})")
-            spec = pm._state_specs[present[0]]
+            spec = pm.state_specs[present[0]]
             block = f.get_slice(present[0])[block_index(spec, pm.mesh.shape, pm.coords)]
-            holder = _get(pm, present[0])
+            holder = pm.state_tensors[present[0]]
             holder.data = block.to(pm.device, holder.dtype).contiguous()
 
 
@@ -127,11 +125,11 @@ def _dtensor_placements(spec: Spec) -> list:
     return [TS(p.dim) if isinstance(p, Shard) else TR() for p in spec.placements]
 
 
-def sharded_state_dict(pm: "ParallelModule") -> dict[str, Any]:
+def sharded_state_dict(pm: "ShardedModel") -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     out = {}
-    for name, spec in pm._state_specs.items():
-        t = _get(pm, name)
+    for name, spec in pm.state_specs.items():
+        t = pm.state_tensors[name]
         local_shape = spec.local_shape(pm.mesh.shape)
         if tuple(t.shape) != local_shape:  # compiled on meta: give the loader real memory to fill
             t.data = torch.empty(local_shape, dtype=t.dtype, device=pm.device)
@@ -143,12 +141,12 @@ def sharded_state_dict(pm: "ParallelModule") -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_checkpoint(pm: "ParallelModule", path: str) -> None:
+def load_checkpoint(pm: "ShardedModel", path: str) -> None:
     import torch.distributed.checkpoint as dcp
     target = sharded_state_dict(pm)
     dcp.load(target, checkpoint_id=path)
     for name, dt in target.items():
-        _get(pm, name).copy_(dt.to_local())
+        pm.state_tensors[name].copy_(dt.to_local())
     dist.barrier()
 
 
@@ -168,7 +166,7 @@ class ShardedStateMethods:
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy this rank's block of each full tensor into its shard."""
         load_full_state_dict(self, state_dict)
-        self._loaded = True
+        self.loaded = True
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Shards as DTensors on `self.device_mesh`, for torch.distributed.checkpoint."""
@@ -178,7 +176,7 @@ class ShardedStateMethods:
         """Read this rank's block of every tensor from a safetensors file, slice by slice:
         the whole model is never in this rank's memory."""
         load_safetensors(self, path)
-        self._loaded = True
+        self.loaded = True
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded save through torch.distributed.checkpoint (each rank writes its shards)."""
@@ -188,4 +186,4 @@ class ShardedStateMethods:
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint saved by save_checkpoint on any mesh or plan of this model."""
         load_checkpoint(self, path)
-        self._loaded = True
+        self.loaded = True

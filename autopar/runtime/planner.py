@@ -1,0 +1,111 @@
+"""One plan for every rank: rank 0 solves, the others receive it, all check they agree.
+
+    every rank: trace ----------------------------.
+    rank 0:     (measure) -> solve -> broadcast ---+-> fingerprint check -> all-gather
+    others:                      receive ---------'   (digest, error) -> same plan or raise
+
+1. Every rank traces its own model and inputs (a failure is kept, not raised yet).
+2. Rank 0 solves (one solve instead of one per rank) and broadcasts the plan, or the
+   error it met; a given plan (file or object) is checked against the trace instead.
+3. Every rank gathers every rank's plan digest and error. An error anywhere is raised
+   on every rank as the same type (the exception itself travels; one that cannot be
+   pickled becomes a PlanningError with its type and text); differing digests raise
+   ProcessGroupError. No rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from autopar.core.errors import FingerprintMismatchError, PlanningError, ProcessGroupError
+from autopar.core.plan import Plan
+from autopar.passes.emit import check_fingerprint
+from autopar.passes.trace import TracedGraph
+
+# what rank 0 runs to plan a traced graph (it may measure first, with every rank: see module.py)
+Solve = Callable[[TracedGraph], Plan]
+
+
+def agreed_plan(traced: Optional[TracedGraph], problem: Optional[Exception], solve: Solve,
+                given: Optional[Plan], given_source: str) -> Plan:
+    """The plan every rank runs for `traced` (None where this rank failed to trace, with
+    `problem` the error), or the first error any rank met, raised on every rank."""
+    rank = dist.get_rank()
+    plan: Optional[Plan] = None
+    if given is not None:
+        if problem is None:
+            _, problem = _attempt(lambda: check_fingerprint(given, traced, given_source))
+            plan = given if problem is None else None
+    else:
+        plan, problem = _solved_on_rank0(traced, problem, solve, rank)
+    _agree(plan, problem)
+    assert plan is not None
+    return plan
+
+
+def _solved_on_rank0(traced: Optional[TracedGraph], problem: Optional[Exception], solve: Solve,
+                     rank: int) -> tuple[Optional[Plan], Optional[Exception]]:
+    box: list = [problem]
+    error: Optional[Exception] = None
+    if rank == 0 and problem is None:
+        plan, error = _attempt(lambda: solve(traced))
+        box[0] = plan if error is None else _sendable(error)
+    dist.broadcast_object_list(box, src=0)
+    if problem is not None:
+        return None, problem
+    if isinstance(box[0], Exception):
+        return None, error if error is not None else _from_rank(box[0], 0)
+    plan = box[0]
+    if plan.fingerprint != traced.fingerprint:
+        return None, FingerprintMismatchError(
+            f"rank {rank} traced a different graph (fingerprint {traced.fingerprint}) than rank 0 "
+            f"({plan.fingerprint}); every rank must pass the same model and input shapes",
+            expected=plan.fingerprint, found=traced.fingerprint)
+    return plan, None
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, Optional[Exception]]:
+    """(fn(), None) or (None, its error): the error is forwarded so that the other ranks
+    fail too instead of waiting in a collective."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+        return None, e
+
+
+def _agree(plan: Optional[Plan], problem: Optional[Exception]) -> None:
+    mine = (plan.digest() if plan is not None else None, _sendable(problem) if problem is not None else None)
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    if problem is not None:
+        raise problem
+    failed = [(r, err) for r, (_, err) in enumerate(seen) if err is not None]
+    if failed:
+        raise _from_rank(failed[0][1], failed[0][0])
+    digests = [d for d, _ in seen]
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise ProcessGroupError(
+            f"ranks run different plans: rank 0 has plan {digests[0]}, ranks {odd} have "
+            f"{sorted(set(digests[r] for r in odd))}; give every rank the same model, inputs and plan file")
+
+
+def _sendable(error: Exception) -> Exception:
+    """The error itself if it survives a trip through pickle, else a PlanningError naming it."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+        if type(copy) is type(error) and str(copy) == str(error):
+            return error
+    except Exception:  # noqa: BLE001 - anything unpicklable is described instead
+        pass
+    return PlanningError(f"{type(error).__name__}: {error}")
+
+
+def _from_rank(error: Exception, rank: int) -> Exception:
+    note = f"(raised on rank {rank} while planning; this rank stops too)"
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
+    return error

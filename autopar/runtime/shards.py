@@ -1,0 +1,99 @@
+"""This rank's parameters and buffers: registered empty at compile, cut from the model
+when the first plan fixes their layouts.
+
+    model.transformer.h.0.attn.c_attn.weight (768, 2304)
+      -> pm.shards.transformer.h.0.attn.c_attn.weight (768, 576)   S(1) on a 4-way axis
+
+1. At compile every parameter exists, empty, under its state-dict name (an optimiser
+   can be built before the first call); tied names (one tensor under several names,
+   like a shared embedding and LM head) get one shared shard.
+2. The first plan gives each tensor a layout (the layout the graph actually reads,
+   for tied names); this rank's block is cut from the full tensor, unless the model is
+   on the meta device, where a load fills it later.
+3. Later plans (new input signatures) keep these layouts: they are pinned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from autopar.core.placement import Placement, Spec
+from autopar.core.plan import Plan
+from autopar.passes.emit import shard
+from autopar.passes.trace import TracedGraph
+
+
+def tied_groups(names: Iterable[str], tensor_of: Callable[[str], Any]) -> list[list[str]]:
+    """Names grouped by the tensor object they hold, in first-seen order."""
+    groups: dict[int, list[str]] = {}
+    for name in names:
+        groups.setdefault(id(tensor_of(name)), []).append(name)
+    return list(groups.values())
+
+
+def empty_shards(model: nn.Module, device: torch.device,
+                 on_grad: Callable[[torch.Tensor], None]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A module tree mirroring the model's state-dict names, with empty parameters and
+    buffers (tied names share one), and the same tensors by dotted name. `on_grad` is
+    every parameter's post-accumulate-grad hook (the gradient buckets listen there)."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    root, by_name = nn.Module(), {}
+    for group in tied_groups(named, named.__getitem__):
+        full = named[group[0]]
+        if isinstance(full, nn.Parameter):
+            holder: torch.Tensor = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device),
+                                                requires_grad=full.requires_grad)
+            if full.requires_grad:
+                holder.register_post_accumulate_grad_hook(on_grad)
+        else:
+            holder = torch.empty(0, dtype=full.dtype, device=device)
+        for name in group:
+            _register(root, name, holder)
+            by_name[name] = holder
+    return root, by_name
+
+
+def fill_shards(model: nn.Module, shards: dict[str, torch.Tensor], traced: TracedGraph, plan: Plan,
+                coords: tuple[int, ...], on_meta: bool) -> dict[str, Spec]:
+    """Cut this rank's block of every parameter and buffer the graph reads into its
+    shard (left empty on meta); returns each state-dict name's Spec."""
+    state_inputs = [gi for gi in traced.inputs if gi.kind.is_state]
+    by_target = {gi.target: gi for gi in state_inputs}
+    read = {e.producer for e in plan.edges}
+    specs: dict[str, Spec] = {}
+    for group in tied_groups([gi.target for gi in state_inputs], shards.__getitem__):
+        owner = next((by_target[t] for t in group if by_target[t].name in read), by_target[group[0]])
+        spec = plan.node(owner.name).outputs[0]
+        if not on_meta:
+            full = _full_tensor(model, owner.target)
+            with torch.no_grad():
+                shards[owner.target].data = shard(full.detach(), spec, plan.mesh.shape, coords)
+        specs.update({target: spec for target in group})
+    return specs
+
+
+def pinned_layouts(specs: dict[str, Spec]) -> dict[str, tuple[Placement, ...]]:
+    """What later plans must keep: every state tensor's placements."""
+    return {name: spec.placements for name, spec in specs.items()}
+
+
+def _full_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    module_path, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(module_path), leaf)
+
+
+def _register(root: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        if not isinstance(getattr(mod, p, None), nn.Module):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
