@@ -47,6 +47,16 @@ def eager_plan_and_group_reuse(rank: int, world: int) -> dict:
             "out": out, "want": m(x).detach()}
 
 
+def verify_gpt2(rank: int, world: int) -> dict:
+    """verify on a transformers model whose config keeps its KV cache on: the reference
+    runs as traced (no cache), so outputs pair up one to one."""
+    m = models.build("gpt2")
+    m.config.use_cache = True
+    args, kwargs = models.inputs("gpt2")
+    report = autopar.verify(m, args, kwargs, mesh=(world,))
+    return {"ok": report.ok, "outputs": len(report.outputs), "text": str(report), "use_cache": m.config.use_cache}
+
+
 # ---- tests ---------------------------------------------------------------------------
 
 def test_an_error_while_rank0_plans_is_raised_as_itself_on_every_rank():
@@ -94,3 +104,11 @@ def test_memory_budget_error_pickles_with_its_fields():
     import pickle
     e = pickle.loads(pickle.dumps(MemoryBudgetError(10, 20)))
     assert (e.budget_bytes, e.smallest_bytes) == (10, 20) and "smallest footprint" in str(e)
+
+
+def test_verify_a_transformers_model_with_its_kv_cache_on():
+    results = run_ranks(2, [(verify_gpt2, {})])
+    for (res,) in results:
+        assert res["ok"], res["text"]
+        assert res["outputs"] == 2  # loss and logits, no cache tensors
+        assert res["use_cache"] is True  # the user's config is as it was
