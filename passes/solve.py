@@ -2,24 +2,14 @@
 
     AnnotatedGraph + CostModel + Options -> Plan
 
-The model (Alpa's intra-op formulation, with followers and spec classes):
-
-    groups g      a leader node and the nodes that follow it; s[g,i] in {0,1}
-    one-hot       sum_i s[g,i] = 1                                    for every group g
-    edges e=(u,v) between groups; src class o = output spec of u under u's choice,
-                  dst class r = (input spec, grad-sync axes) of v under v's choice;
-                  x[e,o,r] >= 0 with
-                  sum_r x[e,o,r] = sum_{i in o} s[gu,i]               for every o
-                  sum_o x[e,o,r] = sum_{j in r} s[gv,j]               for every r
-    memory        sum_g sum_i m[g,i] s[g,i] <= budget                 (Options.memory_budget_bytes)
-    objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r]
-
-c[g,i] is the compute of every member under leader choice i plus the reshard cost of
-edges inside the group; m[g,i] the members' bytes per rank (cost_models/memory.py);
-R is the reshard cost (forward steps, and in training their
-conjugates and gradient syncs) from class o to class r. An edge with one class on a
-side needs no x: its cost is a plain term on the other side's s. Unreachable pairs
-(e.g. S -> P) get no x, which forbids them.
+1. price every node's strategies: compute seconds and bytes per rank
+   (EdgePricer prices reshards on demand);
+2. group the nodes: followers join their leader's group; repeated blocks share
+   variables (clustering);
+3. build the ILP over the groups (passes/ilp.py, whose docstring states the model: one
+   function per constraint family) and solve it for the least time within the memory
+   budget; when no plan fits, solve it again for the least memory to report;
+4. read the leaders' choices back into a Plan.
 
 Followers (Options.follow): a single-input op follows its producer, taking for each
 producer choice its cheapest strategy; getitem follows its tuple; a placeholder used
@@ -33,63 +23,26 @@ still adds its own cost terms, so the objective prices each block and each bound
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import pulp
 
 from autopar.core.errors import MemoryBudgetError, SolverError
-from autopar.core.options import Options
 from autopar.core.kinds import NodeKind
-from autopar.core.placement import R, Spec
+from autopar.core.options import Options
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverReport
-from autopar.core.resharding import Step, Unreachable, reshard_steps, split_axes
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
-from autopar.passes.clusters import MODES, cluster, find_blocks
+from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
+from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
+                                memory_objective, time_objective)
 from autopar.passes.rules import Strategy
-from autopar.passes.solver_backend import gap, quiet_stdout, solver_for
+from autopar.passes.solver_backend import gap, solve_quietly, solver_for
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
 
-INF = float("inf")
-US = 1e6  # the objective is in microseconds, which keeps coefficients well scaled
 
-
-@dataclass(frozen=True)
-class Member:
-    leader: str
-    index_map: tuple[int, ...]  # leader strategy index -> this node's strategy index (-1: impossible)
-
-
-def grad_sync_axes(strategy: Strategy, position: int) -> tuple[int, ...]:
-    dst = strategy.inputs[position]
-    return tuple(a for a in split_axes(strategy.inputs, strategy.outputs) if dst.placements[a] == R)
-
-
-class EdgePricer:
-    """Reshard steps and their cost per (source spec, consumer strategy, position), memoised."""
-
-    def __init__(self, costs: CostModel) -> None:
-        self.costs = costs
-        self._steps = lru_cache(maxsize=None)(self._compute_steps)
-
-    @staticmethod
-    def _compute_steps(src: Spec, dst: Spec, gsa: tuple[int, ...]) -> Optional[tuple[Step, ...]]:
-        try:
-            return reshard_steps(src, dst, gsa)
-        except Unreachable:
-            return None
-
-    def steps(self, src: Spec, consumer: Strategy, position: int) -> Optional[tuple[Step, ...]]:
-        return self._steps(src, consumer.inputs[position], grad_sync_axes(consumer, position))
-
-    def cost_s(self, src: Spec, consumer: Strategy, position: int) -> float:
-        steps = self.steps(src, consumer, position)
-        return INF if steps is None else self.costs.steps_cost(steps).total_s
-
+# ---- 1. prices ---------------------------------------------------------------------
 
 def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]]:
     out = {}
@@ -107,10 +60,9 @@ def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> di
             for n in graph.nodes}
 
 
-# ---- 1. groups ---------------------------------------------------------------------
+# ---- 2. groups ---------------------------------------------------------------------
 
-def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, ncost: dict[str, list[float]],
-                 follow: bool, store_as_read: bool = True,
+def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, follow: bool, store_as_read: bool = True,
                  block_of: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, Member]:
     """`block_of` (node -> repeated block): groups never span two blocks, so identical
     blocks have identical groups and can share variables (passes/clusters.py)."""
@@ -187,208 +139,46 @@ def _backward_member(p: PlannedNode, consumer: str, position: int, graph: Annota
     return Member(lead.leader, tuple(index))
 
 
-# ---- 2. the ILP --------------------------------------------------------------------
-
-@dataclass
-class _Ilp:
-    prob: pulp.LpProblem
-    choice: dict[str, list[Optional[pulp.LpVariable]]]
-    n_vars: int
-
-
-def build_ilp(graph: AnnotatedGraph, groups: dict[str, Member], pricer: EdgePricer,
-              ncost: dict[str, list[float]], memory: dict[str, list[int]], budget: Optional[int],
-              minimise_memory: bool = False, rep: Optional[dict[str, str]] = None) -> _Ilp:
-    """`rep` (node -> representative, passes/clusters.py): a leader whose representative
-    is another node reuses that node's variables; its costs are still added."""
-    rep = rep or {}
-    leaders = [n for n in graph.nodes if groups[n.name].leader == n.name]
-    gcost = {L.name: [0.0] * len(L.strategies) for L in leaders}
-    gmem = {L.name: [0] * len(L.strategies) for L in leaders}
-    # group cost: members' compute; group memory: members' bytes
-    for n in graph.nodes:
-        m = groups[n.name]
-        for i, j in enumerate(m.index_map):
-            gcost[m.leader][i] += INF if j < 0 else ncost[n.name][j]
-            gmem[m.leader][i] += 0 if j < 0 else memory[n.name][j]
-    inter: list[tuple[PlannedNode, int, str, int]] = []
-    for v in graph.nodes:
-        mv = groups[v.name]
-        for pos, (u, k) in enumerate(v.inputs):
-            mu = groups[u]
-            if mu.leader != mv.leader:
-                inter.append((v, pos, u, k))
-                continue
-            producer = graph.node(u)
-            for i, (ui, vi) in enumerate(zip(mu.index_map, mv.index_map)):
-                if ui >= 0 and vi >= 0:
-                    gcost[mv.leader][i] += pricer.cost_s(producer.strategies[ui].outputs[k], v.strategies[vi], pos)
-    prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
-    objective = Objective()
-    choice: dict[str, list[Optional[pulp.LpVariable]]] = {}
-    n_vars = 0
-    # one-hot: sum_i s[g,i] = 1
-    for L in sorted(leaders, key=lambda L: rep.get(L.name, L.name) != L.name):  # representatives first
-        twin = rep.get(L.name, L.name)
-        if twin != L.name:
-            vars_ = choice[twin]
-            for i, var in enumerate(vars_):
-                if var is not None:
-                    objective.add(var, gmem[L.name][i] / 2**20 if minimise_memory else gcost[L.name][i] * US)
-            choice[L.name] = vars_
-            continue
-        vars_: list[Optional[pulp.LpVariable]] = []
-        for i, c in enumerate(gcost[L.name]):
-            if c == INF:
-                vars_.append(None)
-                continue
-            var = _variable(prob, f"s_{L.name}_{i}", cat="Binary")
-            objective.add(var, gmem[L.name][i] / 2**20 if minimise_memory else c * US)
-            vars_.append(var)
-            n_vars += 1
-        if not any(v is not None for v in vars_):
-            raise SolverError(f"node {L.name} ({L.op}) has no feasible strategy on mesh {graph.mesh.shape}: "
-                              "every choice needs a reshard autopar cannot do")
-        prob += pulp.lpSum(v for v in vars_ if v is not None) == 1, f"onehot_{L.name}"
-        choice[L.name] = vars_
-    # memory: sum_g sum_i mem[g,i] s[g,i] <= budget
-    if budget is not None and not minimise_memory:
-        prob += pulp.lpSum(gmem[g][i] * v for g, vars_ in choice.items() for i, v in enumerate(vars_)
-                           if v is not None) <= budget, "memory_budget"
-    # edges between groups; an edge whose endpoints have the same representatives as an
-    # earlier one has its variables and cost terms: add those terms once more
-    built: dict[tuple, Objective] = {}
-    for e, (v, pos, u, k) in enumerate(inter):
-        key = (rep.get(v.name, v.name), pos, rep.get(u, u), k)
-        if key not in built:
-            built[key] = Objective()
-            n_vars += _edge_terms(prob, built[key], e, graph, groups, choice, pricer, v, pos, u, k)
-        if not minimise_memory:
-            objective.extend(built[key])
-    prob += objective.expression()
-    return _Ilp(prob, choice, n_vars)
-
-
-def _classes(member: Member, var_list: list, key) -> dict:
-    out: dict = {}
-    for i, j in enumerate(member.index_map):
-        if j >= 0 and var_list[i] is not None:
-            out.setdefault(key(j), []).append(var_list[i])
-    return out
-
-
-class Objective:
-    """Linear terms accumulated per variable (PuLP's operator overloading is slow at 10^5 terms)."""
-
-    def __init__(self) -> None:
-        self.coef: dict = {}
-        self.constant = 0.0
-
-    def add(self, var: Optional[pulp.LpVariable], c: float) -> None:
-        if var is None:
-            self.constant += c
-        elif c:
-            self.coef[var] = self.coef.get(var, 0.0) + c
-
-    def extend(self, other: "Objective") -> None:
-        self.constant += other.constant
-        for var, c in other.coef.items():
-            self.coef[var] = self.coef.get(var, 0.0) + c
-
-    def expression(self) -> pulp.LpAffineExpression:
-        return pulp.LpAffineExpression(self.coef, constant=self.constant)
-
-
-def _edge_terms(prob, objective: Objective, e, graph, groups, choice, pricer, v: PlannedNode, pos: int, u: str,
-                k: int) -> int:
-    """Adds edge e's constraints and its reshard cost terms to `objective`; returns how
-    many variables it created."""
-    producer = graph.node(u)
-    mu, mv = groups[u], groups[v.name]
-    src = _classes(mu, choice[mu.leader], lambda j: producer.strategies[j].outputs[k])
-    # consumer strategies with the same input spec and grad-sync axes price alike
-    merged: dict = {}
-    for i, j in enumerate(mv.index_map):
-        var = choice[mv.leader][i]
-        if j >= 0 and var is not None:
-            strat = v.strategies[j]
-            merged.setdefault((strat.inputs[pos], grad_sync_axes(strat, pos)), (strat, []))[1].append(var)
-    dst_classes = list(merged.values())
-    matrix = {(o, r): pricer.cost_s(o, dst_classes[r][0], pos) for o in src for r in range(len(dst_classes))}
-    if len(set(matrix.values())) == 1 and INF not in matrix.values():
-        objective.add(None, next(iter(matrix.values())) * US)
-        return 0
-    if len(src) == 1:
-        (o,) = src
-        for r, (_, vars_) in enumerate(dst_classes):
-            for var in vars_:
-                _add_or_forbid(prob, objective, var, matrix[(o, r)], f"e{e}_d{r}")
-        return 0
-    if len(dst_classes) == 1:
-        for i, (o, vars_) in enumerate(src.items()):
-            for var in vars_:
-                _add_or_forbid(prob, objective, var, matrix[(o, 0)], f"e{e}_s{i}")
-        return 0
-    xs: dict = {}
-    for oi, o in enumerate(src):
-        for r in range(len(dst_classes)):
-            if matrix[(o, r)] < INF:
-                xs[(oi, r)] = x = _variable(prob, f"x_{e}_{oi}_{r}", lowBound=0)
-                objective.add(x, matrix[(o, r)] * US)
-    for oi, (o, vars_) in enumerate(src.items()):
-        prob += pulp.lpSum(x for (a, _), x in xs.items() if a == oi) == pulp.lpSum(vars_), f"e{e}_src{oi}"
-    for r, (_, vars_) in enumerate(dst_classes):
-        prob += pulp.lpSum(x for (_, b), x in xs.items() if b == r) == pulp.lpSum(vars_), f"e{e}_dst{r}"
-    return len(xs)
-
-
-def _variable(prob: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
-    """PuLP 3.3 deprecates free-standing LpVariable in favour of prob.add_variable."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, **kw)
-    return pulp.LpVariable(name, **kw)
-
-
-def _add_or_forbid(prob, objective: Objective, var, cost: float, name: str) -> None:
-    if cost == INF:
-        prob += var == 0, f"forbid_{name}_{var.name}"
-    else:
-        objective.add(var, cost * US)
-
-
-# ---- 3. solve and read back ---------------------------------------------------------
+# ---- 3. solve ---------------------------------------------------------------------
 
 def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
+    """The fastest plan within Options.memory_budget_bytes (MemoryBudgetError when none fits)."""
+    # 1. price every node's strategies
     pricer = EdgePricer(costs)
-    ncost = node_costs(graph, costs)
     memory = node_memory(graph, costs, options)
+    # 2. groups, and the variables repeated blocks share
+    groups, blocks = _groups_and_blocks(graph, pricer, options)
+    model = ilp_model(graph, groups, pricer, node_costs(graph, costs), memory, blocks.rep)
+    # 3. the least time within the budget
     budget = options.memory_budget_bytes
-    # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
-    # does not simply take the layout its consumer reads
-    mode = cluster_mode(options.cluster_layers)
-    block_of = find_blocks(graph) if mode else {}
-    groups = build_groups(graph, pricer, ncost, options.follow, store_as_read=budget is None, block_of=block_of)
-    blocks = cluster(graph, block_of, groups, mode or "inner")
-    if block_of and not blocks.shared_blocks:  # nothing to share: keep followers free to cross blocks
-        groups = build_groups(graph, pricer, ncost, options.follow, store_as_read=budget is None)
-    ilp = build_ilp(graph, groups, pricer, ncost, memory, budget, rep=blocks.rep)
+    ilp = build_ilp(model, pricer, time_objective, budget)
     name, solver = solver_for(options)
-    t0 = time.perf_counter()
-    with quiet_stdout():
-        ilp.prob.solve(solver)
-    elapsed = time.perf_counter() - t0
+    elapsed = solve_quietly(ilp.prob, solver)
     status = pulp.LpStatus[ilp.prob.status]
     if status == "Infeasible" and budget is not None:
-        raise MemoryBudgetError(budget, _smallest_footprint(graph, groups, pricer, ncost, memory, options,
-                                                            blocks.rep))
+        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options))
+    # 4. read the choice back
     picks = _picks(ilp, name, status, elapsed, options)
     if status != "Optimal":
         status = f"{status} (time limit {options.time_limit_s} s)"
     objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
-    report = SolverReport(name, status, objective_s, gap(ilp.prob), elapsed, ilp.n_vars,
-                          ilp.prob.numConstraints(), len({id(v) for v in ilp.choice.values()}),
-                          blocks.shared_blocks)
+    report = SolverReport(name, status, objective_s, gap(ilp.prob), elapsed, ilp.variables.count,
+                          ilp.prob.numConstraints(), ilp.variables.groups, blocks.shared_blocks)
     return read_plan(graph, groups, picks, pricer, costs, report, memory)
+
+
+def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Options
+                       ) -> tuple[dict[str, Member], Blocks]:
+    # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
+    # does not simply take the layout its consumer reads
+    store_as_read = options.memory_budget_bytes is None
+    mode = cluster_mode(options.cluster_layers)
+    block_of = find_blocks(graph) if mode else {}
+    groups = build_groups(graph, pricer, options.follow, store_as_read, block_of)
+    blocks = cluster(graph, block_of, groups, mode or "inner")
+    if block_of and not blocks.shared_blocks:  # nothing to share: keep followers free to cross blocks
+        groups = build_groups(graph, pricer, options.follow, store_as_read)
+    return groups, blocks
 
 
 def cluster_mode(value) -> Optional[str]:
@@ -401,17 +191,19 @@ def cluster_mode(value) -> Optional[str]:
     raise ValueError(f"Options.cluster_layers={value!r}: use 'inner' (default), 'all', or 'off'/False")
 
 
-def _smallest_footprint(graph, groups, pricer, ncost, memory, options: Options, rep: dict[str, str]) -> int:
-    ilp = build_ilp(graph, groups, pricer, ncost, memory, None, minimise_memory=True, rep=rep)
-    with quiet_stdout():
-        ilp.prob.solve(solver_for(options)[1])
+def _smallest_footprint(model: IlpModel, pricer: EdgePricer, memory: dict[str, list[int]],
+                        options: Options) -> int:
+    """The fewest bytes per rank any plan needs: the optimum of the memory objective."""
+    ilp = build_ilp(model, pricer, memory_objective)
+    solve_quietly(ilp.prob, solver_for(options)[1])
     picks = _picks(ilp, "memory", pulp.LpStatus[ilp.prob.status], 0.0, options)
-    return sum(memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]] for n in graph.nodes)
+    member = model.groups
+    return sum(memory[n.name][member[n.name].index_map[picks[member[n.name].leader]]] for n in model.graph.nodes)
 
 
-def _picks(ilp: _Ilp, name: str, status: str, elapsed: float, options: Options) -> dict[str, int]:
+def _picks(ilp: Ilp, name: str, status: str, elapsed: float, options: Options) -> dict[str, int]:
     picks = {}
-    for leader, vars_ in ilp.choice.items():
+    for leader, vars_ in ilp.variables.s.items():
         vals = [(v.value() or 0.0) if v is not None else 0.0 for v in vars_]
         best = max(range(len(vals)), key=lambda i: vals[i])
         if vals[best] < 0.5:
@@ -420,6 +212,8 @@ def _picks(ilp: _Ilp, name: str, status: str, elapsed: float, options: Options) 
         picks[leader] = best
     return picks
 
+
+# ---- 4. read back -----------------------------------------------------------------
 
 def _alternative(n: PlannedNode, alt: Strategy, chosen: dict[str, Strategy],
                  consumers: dict[str, list[tuple[PlannedNode, int, int]]], pricer: EdgePricer,

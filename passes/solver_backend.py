@@ -1,11 +1,14 @@
 """The ILP solver behind passes/solve.py: HiGHS through highspy when installed (several
-times faster on these problems), PuLP's bundled CBC otherwise."""
+times faster on these problems), PuLP's bundled CBC otherwise.
+
+Both run with their own output off (msg=False: HiGHS's output_flag, CBC's log), so a
+solve leaves the process's stdout alone: no file descriptor is redirected, and another
+thread printing during a solve is still heard."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
+import time
+from functools import cache
 from typing import Optional
 
 import pulp
@@ -13,8 +16,13 @@ import pulp
 from autopar.core.errors import SolverError
 from autopar.core.options import Options
 
+try:
+    import highspy
+except ImportError:  # optional: without it the solver is CBC
+    highspy = None
 
-def solver_for(options: Options):
+
+def solver_for(options: Options) -> tuple[str, pulp.LpSolver]:
     highs = pulp.HiGHS(msg=False, timeLimit=options.time_limit_s)
     if options.solver in ("auto", "highs") and highs.available():
         return "highs", highs
@@ -24,26 +32,30 @@ def solver_for(options: Options):
     return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=1)
 
 
-@contextlib.contextmanager
-def quiet_stdout():
-    """HiGHS prints a banner from C even with msg=False; keep the user's stdout clean."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield
+def solve_quietly(prob: pulp.LpProblem, solver: pulp.LpSolver) -> float:
+    """Solves `prob` in place; returns the seconds it took."""
+    if isinstance(solver, pulp.HiGHS):
+        _spend_highs_banner()
+    t0 = time.perf_counter()
+    prob.solve(solver)
+    return time.perf_counter() - t0
+
+
+@cache
+def _spend_highs_banner() -> None:
+    """HiGHS prints its banner once per process, from C, the first time a Highs object
+    logs with output_flag on, which highspy's Highs() does on construction, before PuLP
+    can pass msg=False. Spend that banner here, on a Highs object that logs nowhere.
+    highspy's base class is used because its Highs() would print while being made."""
+    base = getattr(getattr(highspy, "_core", None), "_Highs", None)
+    if base is None:  # no highspy, or one laid out otherwise: at worst the banner shows
         return
-    sys.stdout.flush()
-    saved = os.dup(fd)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), fd)
-        try:
-            yield
-        finally:
-            os.dup2(saved, fd)
-            os.close(saved)
+    silent = base()
+    silent.setOptionValue("log_to_console", False)
+    silent.passModel(highspy.HighsLp())  # logs the header, to nowhere
 
 
-def gap(prob) -> Optional[float]:
+def gap(prob: pulp.LpProblem) -> Optional[float]:
     model = getattr(prob, "solverModel", None)
     try:
         return float(model.getInfo().mip_gap)

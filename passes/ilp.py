@@ -1,0 +1,364 @@
+"""The ILP of stage 4 (passes/solve.py), written as its math: Alpa's intra-op
+formulation, with followers and spec classes.
+
+    groups g      a leader node and the nodes that follow it; s[g,i] in {0,1}
+    one-hot       sum_i s[g,i] = 1                                    for every group g
+    edges e=(u,v) between groups; src class o = output spec of u under u's choice,
+                  dst class r = (input spec, grad-sync axes) of v under v's choice;
+                  x[e,o,r] >= 0 with
+                  sum_r x[e,o,r] = sum_{i in o} s[gu,i]               for every o
+                  sum_o x[e,o,r] = sum_{j in r} s[gv,j]               for every r
+    memory        sum_g sum_i m[g,i] s[g,i] <= budget                 (Options.memory_budget_bytes)
+    objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r]
+    or            min sum_g sum_i m[g,i] s[g,i]                       (the smallest footprint)
+
+one_hot, edge_consistency and memory_budget add the constraint families, time_objective
+and memory_objective are the two objectives, and build_ilp puts one ILP together;
+ilp_model sums the coefficients per group and IlpVariables holds s and the x terms.
+
+c[g,i] is the compute of every member under leader choice i plus the reshard cost of
+edges inside the group (infinite where a member has no strategy for i: s[g,i] is then
+no variable, i.e. fixed at 0); m[g,i] the members' bytes per rank
+(cost_models/memory.py); R is the reshard cost (forward steps, and in training their
+conjugates and gradient syncs) from class o to class r. An edge with one class on a
+side needs no x: its cost is a plain term on the other side's s. Unreachable pairs
+(e.g. S -> P) get no x, which forbids them. The memory-minimising objective prices
+the footprint a MemoryBudgetError reports.
+
+Clustering (passes/clusters.py): a group whose representative is another group reuses
+that group's s, and an edge whose two ends have the same representatives as an earlier
+edge reuses its x; every copy still adds its own terms to the objective, so the
+objective prices each block and each boundary.
+
+Coefficients are scaled for the solver: time in microseconds (US), bytes in MiB (MIB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Mapping, Optional
+
+import pulp
+
+from autopar.core.errors import SolverError
+from autopar.core.placement import R, Spec
+from autopar.core.resharding import Step, Unreachable, reshard_steps, split_axes
+from autopar.cost_models.model import CostModel
+from autopar.passes.rules import Strategy
+from autopar.passes.strategies import AnnotatedGraph, PlannedNode
+
+INF = float("inf")
+US = 1e6  # the time objective is in microseconds, which keeps coefficients well scaled
+MIB = 2**20  # the memory objective is in MiB, for the same reason
+
+Variable = Optional[pulp.LpVariable]  # None: a choice that is impossible, i.e. fixed at 0
+
+
+# ---- coefficients ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Member:
+    """A node's place in its group."""
+
+    leader: str
+    index_map: tuple[int, ...]  # leader strategy index -> this node's strategy index (-1: impossible)
+
+
+def grad_sync_axes(strategy: Strategy, position: int) -> tuple[int, ...]:
+    dst = strategy.inputs[position]
+    return tuple(a for a in split_axes(strategy.inputs, strategy.outputs) if dst.placements[a] == R)
+
+
+class EdgePricer:
+    """R: reshard steps and their cost per (source spec, consumer strategy, position), memoised."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self._steps = lru_cache(maxsize=None)(self._compute_steps)
+
+    @staticmethod
+    def _compute_steps(src: Spec, dst: Spec, gsa: tuple[int, ...]) -> Optional[tuple[Step, ...]]:
+        try:
+            return reshard_steps(src, dst, gsa)
+        except Unreachable:
+            return None
+
+    def steps(self, src: Spec, consumer: Strategy, position: int) -> Optional[tuple[Step, ...]]:
+        return self._steps(src, consumer.inputs[position], grad_sync_axes(consumer, position))
+
+    def cost_s(self, src: Spec, consumer: Strategy, position: int) -> float:
+        steps = self.steps(src, consumer, position)
+        return INF if steps is None else self.costs.steps_cost(steps).total_s
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Input `position` of `consumer` reads output `output` of `producer`."""
+
+    consumer: PlannedNode
+    position: int
+    producer: str
+    output: int
+
+    def twin_key(self, rep: Mapping[str, str]) -> tuple[str, int, str, int]:
+        """Edges with the same key share their x variables (clustering)."""
+        v, u = self.consumer.name, self.producer
+        return rep.get(v, v), self.position, rep.get(u, u), self.output
+
+
+@dataclass(frozen=True)
+class IlpModel:
+    """The coefficients of the ILP; a group is named by its leader."""
+
+    graph: AnnotatedGraph
+    groups: Mapping[str, Member]  # node -> its place in its group
+    leaders: tuple[str, ...]  # every group: representatives first, then copies, each in graph order
+    rep: Mapping[str, str]  # node -> the representative whose variables it reuses (passes/clusters.py)
+    cost_s: Mapping[str, tuple[float, ...]]  # c[g,i] in seconds (INF: impossible)
+    nbytes: Mapping[str, tuple[int, ...]]  # m[g,i] in bytes per rank
+    edges: tuple[Edge, ...]  # the edges between groups, in graph order
+
+
+def ilp_model(graph: AnnotatedGraph, groups: Mapping[str, Member], pricer: EdgePricer,
+              node_cost_s: Mapping[str, list[float]], node_nbytes: Mapping[str, list[int]],
+              rep: Optional[Mapping[str, str]] = None) -> IlpModel:
+    """c[g,i] = sum over members n of compute[n, index_map_n(i)]
+               + sum over edges (u,v) inside g of R(u's output under i -> v under i);
+    m[g,i] = sum over members n of bytes[n, index_map_n(i)]."""
+    rep = rep or {}
+    leaders = [n for n in graph.nodes if groups[n.name].leader == n.name]
+    cost = {L.name: [0.0] * len(L.strategies) for L in leaders}
+    nbytes = {L.name: [0] * len(L.strategies) for L in leaders}
+    for n in graph.nodes:
+        m = groups[n.name]
+        for i, j in enumerate(m.index_map):
+            cost[m.leader][i] += INF if j < 0 else node_cost_s[n.name][j]
+            nbytes[m.leader][i] += 0 if j < 0 else node_nbytes[n.name][j]
+    between: list[Edge] = []
+    for v in graph.nodes:
+        for pos, (u, k) in enumerate(v.inputs):
+            edge = Edge(v, pos, u, k)
+            if groups[u].leader != groups[v.name].leader:
+                between.append(edge)
+            else:
+                _add_inner_reshard(cost[groups[u].leader], edge, graph, groups, pricer)
+    order = sorted((L.name for L in leaders), key=lambda g: rep.get(g, g) != g)  # representatives first
+    return IlpModel(graph, groups, tuple(order), rep, {g: tuple(c) for g, c in cost.items()},
+                    {g: tuple(m) for g, m in nbytes.items()}, tuple(between))
+
+
+def _add_inner_reshard(cost: list[float], edge: Edge, graph: AnnotatedGraph, groups: Mapping[str, Member],
+                       pricer: EdgePricer) -> None:
+    producer = graph.node(edge.producer)
+    mu, mv = groups[edge.producer], groups[edge.consumer.name]
+    for i, (ui, vi) in enumerate(zip(mu.index_map, mv.index_map)):
+        if ui >= 0 and vi >= 0:
+            src = producer.strategies[ui].outputs[edge.output]
+            cost[i] += pricer.cost_s(src, edge.consumer.strategies[vi], edge.position)
+
+
+# ---- variables and linear terms ----------------------------------------------------
+
+class LinearTerms:
+    """sum_v a_v v + constant, accumulated per variable (PuLP's operator overloading is
+    slow at 10^5 terms)."""
+
+    def __init__(self) -> None:
+        self.coef: dict[pulp.LpVariable, float] = {}
+        self.constant = 0.0
+
+    def add(self, var: Variable, c: float) -> None:
+        if var is None:
+            self.constant += c
+        elif c:
+            self.coef[var] = self.coef.get(var, 0.0) + c
+
+    def extend(self, other: LinearTerms) -> None:
+        self.constant += other.constant
+        for var, c in other.coef.items():
+            self.coef[var] = self.coef.get(var, 0.0) + c
+
+    def expression(self) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression(self.coef, constant=self.constant)
+
+
+@dataclass(frozen=True)
+class IlpVariables:
+    """The decision variables: s directly, x through the reshard terms that use them."""
+
+    s: Mapping[str, tuple[Variable, ...]]  # s[g,i] in IlpModel.leaders order; a copy holds its representative's
+    reshard: tuple[LinearTerms, ...]  # sum_{o,r} R[e,o,r] x[e,o,r] (microseconds) per IlpModel.edges; twins share one
+    count: int  # variables created (a shared variable counts once)
+    groups: int  # groups with their own s (after following and clustering)
+
+
+@dataclass(frozen=True)
+class Ilp:
+    prob: pulp.LpProblem
+    variables: IlpVariables
+
+
+Objective = Callable[[IlpModel, IlpVariables], pulp.LpAffineExpression]
+
+
+def _variable(prob: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
+    """PuLP 3.3 deprecates free-standing LpVariable in favour of prob.add_variable."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, **kw)
+    return pulp.LpVariable(name, **kw)
+
+
+# ---- constraint families -----------------------------------------------------------
+
+def one_hot(prob: pulp.LpProblem, model: IlpModel) -> dict[str, tuple[Variable, ...]]:
+    """sum_i s[g,i] = 1 for every group g; s[g,i] is no variable (fixed at 0) where
+    c[g,i] is infinite. A copy reuses its representative's s, and so its constraint."""
+    s: dict[str, tuple[Variable, ...]] = {}
+    for g in model.leaders:
+        twin = model.rep.get(g, g)
+        if twin != g:
+            s[g] = s[twin]
+            continue
+        s[g] = tuple(None if c == INF else _variable(prob, f"s_{g}_{i}", cat="Binary")
+                     for i, c in enumerate(model.cost_s[g]))
+        if all(var is None for var in s[g]):
+            raise SolverError(f"node {g} ({model.graph.node(g).op}) has no feasible strategy on mesh "
+                              f"{model.graph.mesh.shape}: every choice needs a reshard autopar cannot do")
+        prob += pulp.lpSum(var for var in s[g] if var is not None) == 1, f"onehot_{g}"
+    return s
+
+
+def memory_budget(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
+                  budget_bytes: int) -> None:
+    """sum_g sum_i m[g,i] s[g,i] <= budget (a copy's bytes count on its representative's s)."""
+    prob += pulp.lpSum(model.nbytes[g][i] * var for g in model.leaders for i, var in enumerate(s[g])
+                       if var is not None) <= budget_bytes, "memory_budget"
+
+
+def edge_consistency(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
+                     pricer: EdgePricer) -> tuple[tuple[LinearTerms, ...], int]:
+    """For every edge e = (u, v) between groups, with src classes o and dst classes r,
+
+        sum_r x[e,o,r] = sum_{i in o} s[gu,i]   for every o
+        sum_o x[e,o,r] = sum_{j in r} s[gv,j]   for every r,   x[e,o,r] >= 0,
+
+    with no x[e,o,r] where R[e,o,r] is infinite. An edge with one class on a side needs
+    no x (its cost is a term on the other side's s; an impossible pair fixes that s at
+    0), nor does one whose every pair costs the same (its cost is a constant). Returns
+    each edge's reshard cost sum_{o,r} R[e,o,r] x[e,o,r] in microseconds, twins sharing
+    one, and how many x it created."""
+    built: dict[tuple[str, int, str, int], LinearTerms] = {}
+    reshard: list[LinearTerms] = []
+    created = 0
+    for e, edge in enumerate(model.edges):
+        key = edge.twin_key(model.rep)
+        if key not in built:
+            src, dst = _classes(edge, model, s)
+            matrix = {(o, r): pricer.cost_s(o, dst[r][0], edge.position) for o in src for r in range(len(dst))}
+            built[key], n = _link_classes(prob, e, src, dst, matrix)
+            created += n
+        reshard.append(built[key])
+    return tuple(reshard), created
+
+
+def _classes(edge: Edge, model: IlpModel, s: Mapping[str, tuple[Variable, ...]]
+             ) -> tuple[dict[Spec, list[pulp.LpVariable]], list[tuple[Strategy, list[pulp.LpVariable]]]]:
+    """The src classes o (u's output spec) and dst classes r (v's input spec and
+    grad-sync axes: consumer strategies that price alike), each with its s variables."""
+    producer, pos = model.graph.node(edge.producer), edge.position
+    mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
+    src: dict[Spec, list[pulp.LpVariable]] = {}
+    for i, j in enumerate(mu.index_map):
+        var = s[mu.leader][i]
+        if j >= 0 and var is not None:
+            src.setdefault(producer.strategies[j].outputs[edge.output], []).append(var)
+    dst: dict[tuple[Spec, tuple[int, ...]], tuple[Strategy, list[pulp.LpVariable]]] = {}
+    for i, j in enumerate(mv.index_map):
+        var = s[mv.leader][i]
+        if j >= 0 and var is not None:
+            strat = edge.consumer.strategies[j]
+            dst.setdefault((strat.inputs[pos], grad_sync_axes(strat, pos)), (strat, []))[1].append(var)
+    return src, list(dst.values())
+
+
+def _link_classes(prob: pulp.LpProblem, e: int, src: dict[Spec, list[pulp.LpVariable]],
+                  dst: list[tuple[Strategy, list[pulp.LpVariable]]], matrix: dict[tuple[Spec, int], float]
+                  ) -> tuple[LinearTerms, int]:
+    """Edge e's constraints and cost terms, without x where a side has one class."""
+    terms = LinearTerms()
+    if len(set(matrix.values())) == 1 and INF not in matrix.values():
+        terms.add(None, next(iter(matrix.values())) * US)
+        return terms, 0
+    if len(src) == 1:
+        (o,) = src
+        for r, (_, vars_) in enumerate(dst):
+            for var in vars_:
+                _add_or_forbid(prob, terms, var, matrix[(o, r)], f"e{e}_d{r}")
+        return terms, 0
+    if len(dst) == 1:
+        for i, (o, vars_) in enumerate(src.items()):
+            for var in vars_:
+                _add_or_forbid(prob, terms, var, matrix[(o, 0)], f"e{e}_s{i}")
+        return terms, 0
+    xs: dict[tuple[int, int], pulp.LpVariable] = {}
+    for oi, o in enumerate(src):
+        for r in range(len(dst)):
+            if matrix[(o, r)] < INF:
+                xs[(oi, r)] = x = _variable(prob, f"x_{e}_{oi}_{r}", lowBound=0)
+                terms.add(x, matrix[(o, r)] * US)
+    for oi, vars_ in enumerate(src.values()):
+        prob += pulp.lpSum(x for (a, _), x in xs.items() if a == oi) == pulp.lpSum(vars_), f"e{e}_src{oi}"
+    for r, (_, vars_) in enumerate(dst):
+        prob += pulp.lpSum(x for (_, b), x in xs.items() if b == r) == pulp.lpSum(vars_), f"e{e}_dst{r}"
+    return terms, len(xs)
+
+
+def _add_or_forbid(prob: pulp.LpProblem, terms: LinearTerms, var: pulp.LpVariable, cost_s: float,
+                   name: str) -> None:
+    if cost_s == INF:
+        prob += var == 0, f"forbid_{name}_{var.name}"
+    else:
+        terms.add(var, cost_s * US)
+
+
+# ---- objectives --------------------------------------------------------------------
+
+def time_objective(model: IlpModel, v: IlpVariables) -> pulp.LpAffineExpression:
+    """min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r], in microseconds;
+    every copy of a group or an edge adds its own terms."""
+    terms = LinearTerms()
+    for g in model.leaders:
+        for i, var in enumerate(v.s[g]):
+            if var is not None:
+                terms.add(var, model.cost_s[g][i] * US)
+    for edge_terms in v.reshard:
+        terms.extend(edge_terms)
+    return terms.expression()
+
+
+def memory_objective(model: IlpModel, v: IlpVariables) -> pulp.LpAffineExpression:
+    """min sum_g sum_i m[g,i] s[g,i], in MiB: the smallest footprint, whatever the time."""
+    terms = LinearTerms()
+    for g in model.leaders:
+        for i, var in enumerate(v.s[g]):
+            if var is not None:
+                terms.add(var, model.nbytes[g][i] / MIB)
+    return terms.expression()
+
+
+# ---- the whole ILP -----------------------------------------------------------------
+
+def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_objective,
+              budget_bytes: Optional[int] = None) -> Ilp:
+    """One-hot and edge consistency, the memory budget when there is one, and `objective`."""
+    prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
+    s = one_hot(prob, model)
+    if budget_bytes is not None:
+        memory_budget(prob, model, s, budget_bytes)
+    reshard, n_x = edge_consistency(prob, model, s, pricer)
+    own = [g for g in model.leaders if model.rep.get(g, g) == g]
+    n_s = sum(var is not None for g in own for var in s[g])
+    variables = IlpVariables(s, reshard, n_s + n_x, len(own))
+    prob += objective(model, variables)
+    return Ilp(prob, variables)
