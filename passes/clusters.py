@@ -66,7 +66,7 @@ MODES = ("inner", "all")
 
 def cluster(graph: AnnotatedGraph, block_of: dict[str, tuple[str, int]], members: dict,
             mode: str = "inner") -> Blocks:
-    """`members`: node -> solve.Member built with follower groups kept inside blocks;
+    """`members`: node -> ilp.Member built with follower groups kept inside blocks;
     `mode`: "inner" or "all" (module docstring)."""
     blocks: dict[tuple[str, int], list[str]] = {}
     for n in graph.nodes:
