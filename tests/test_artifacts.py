@@ -128,6 +128,7 @@ def _cli(*argv):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
 
 
+@pytest.mark.slow  # CLI subprocesses
 def test_cli_plan_show_diff_code(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     r = _cli("plan", "gpt2-tiny", "--mesh", "2,2", "--out", str(a))
@@ -142,6 +143,7 @@ def test_cli_plan_show_diff_code(tmp_path):
     assert r.returncode == 0 and "def forward" in r.stdout and "rank 3 at mesh coordinates (1, 1)" in r.stdout
 
 
+@pytest.mark.slow  # CLI subprocesses
 def test_cli_coverage_reports_rule_sources():
     # Mixtral's routing: the grouped expert matmuls and index_put have hand rules; histc
     # (counting tokens per expert) has none and is sharded by a discovered rule
@@ -157,6 +159,7 @@ def test_cli_coverage_reports_rule_sources():
     assert "speedup" in lines[1]
 
 
+@pytest.mark.slow  # CLI subprocesses
 def test_cli_errors_have_exit_codes(tmp_path):
     r = _cli("show", str(tmp_path / "missing.json"))
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
@@ -166,6 +169,7 @@ def test_cli_errors_have_exit_codes(tmp_path):
     assert r.returncode == 2
 
 
+@pytest.mark.slow  # 4 ranks, 3 compiles, one waiting for the start-up check to fail
 def test_plan_files_on_gloo_ranks(gpt2_plans):
     sharded, replicated, paths = gpt2_plans
     batch = [

@@ -10,6 +10,11 @@ import torch
 from tests import cases
 from tests.harness import run_ranks
 
+# two spawns of many compiles each (minutes on 2 cores). The quick set checks every model
+# family in the simulator (test_zoo_simulated.py) and the runtime on real gloo ranks
+# (test_fuzz, test_training, test_runtime).
+pytestmark = pytest.mark.slow
+
 MODELS = ["mlp", "gpt2", "llama", "bert"]
 MESHES_4 = [(1, 4), (4, 1), (2, 2)]
 HAND_MODELS = ["gpt2", "llama"]

@@ -37,6 +37,17 @@ def test_profiler_measures_matmul_and_elementwise_and_reuses_its_cache(tmp_path)
     assert profile_compute(samples, again, torch.device("cpu"), progress=False) == 0  # nothing re-measured
 
 
+@pytest.mark.gpu
+def test_profiler_times_ops_on_cuda():
+    # CUDA ops are timed with events after a synchronise; every sample must replay there
+    model = MLP((16, 64, 16)).eval()
+    graph = annotate(trace(model, (torch.randn(8, 16),)), Mesh((2, 2)))
+    samples = samples_of(graph, (2, 2))
+    profile = Profile("cuda")
+    assert profile_compute(samples, profile, torch.device("cuda"), progress=False) == len(samples) > 0
+    assert all(v > 0 for v in profile.compute.values())
+
+
 def test_fit_recovers_alpha_and_beta():
     alpha, beta, n = 50e-6, 1e-9, 4
     sizes = [4096, 65536, 1 << 20, 1 << 24]
@@ -46,6 +57,7 @@ def test_fit_recovers_alpha_and_beta():
     assert fit["residual"] < 1e-9
 
 
+@pytest.mark.slow  # times every collective kind on both axes of 4 ranks, up to 32 MiB
 def test_calibration_on_4_gloo_ranks(tmp_path):
     path = str(tmp_path / "profile.json")
     results = run_ranks(4, [(cases.calibrate_links, dict(mesh=(2, 2), path=path)),

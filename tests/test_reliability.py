@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests import cases
 from tests.harness import run_ranks
+
+# two 4-rank spawns, one waiting out a collective timeout on purpose (half a minute); the
+# quick set runs real ranks in test_fuzz, test_training and test_runtime
+pytestmark = pytest.mark.slow
 
 
 def test_a_failing_rank_never_hangs_the_others():

@@ -115,6 +115,7 @@ def test_every_strategy_reproduces_the_op(name, mesh):
     expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     for i, s in enumerate(strategies):
         got = run_sharded(target, args, kwargs, s, mesh, seed=i)
+        assert len(got) == len(expected), f"{name} under {s}: {len(got)} outputs, the op gives {len(expected)}"
         for e, o in zip(expected, got):
             torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} under {s}: {m}")
 

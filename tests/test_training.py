@@ -47,17 +47,20 @@ def _check_training(per_rank):
             torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+@pytest.mark.slow  # a 4-rank spawn of 9 training runs
 @pytest.mark.parametrize("mesh", [(2, 2), (1, 4), (4, 1)])
 @pytest.mark.parametrize("model", FAMILIES)
 def test_adamw_steps_match_single_device(four_rank_training, model, mesh):
     _check_training(four_rank_training[(model, mesh)])
 
 
+@pytest.mark.slow  # 8 ranks
 @pytest.mark.parametrize("index", range(3), ids=FAMILIES)
 def test_adamw_steps_match_on_2x4(eight_rank_training, index):
     _check_training(eight_rank_training[index])
 
 
+@pytest.mark.slow  # 8 ranks
 def test_clip_state_dict_checkpoint_and_local_inputs(eight_rank_training):
     for rank, res in enumerate(eight_rank_training[3]):
         torch.testing.assert_close(res["norm"], res["ref_norm"], rtol=1e-5, atol=1e-7)
@@ -138,6 +141,7 @@ def test_2x4_gives_a_hybrid():
     assert all(isinstance(w.placements[1], autopar.Shard) for w in weights)  # tensor parallel on axis 1
 
 
+@pytest.mark.slow  # writes 128 MiB of weights; 4 ranks read their slices
 def test_meta_model_loads_only_its_shards(tmp_path):
     from safetensors.torch import save_file
     from tests.models import MLP

@@ -14,6 +14,10 @@ import torch
 from tests import cases
 from tests.harness import run_ranks
 
+# one 8-rank spawn; every family is also checked in the quick set in the simulator
+# (tests/test_zoo_simulated.py)
+pytestmark = pytest.mark.slow
+
 # (model, what it brings)
 ZOO = [
     ("mistral-tiny", "GQA causal LM, 6 heads / 2 K/V heads (not divisible by 4), sliding window"),

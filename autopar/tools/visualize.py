@@ -1,4 +1,5 @@
-"""Pictures of a Plan (matplotlib, headless-safe; networkx lays out the graph).
+"""Pictures of a Plan: matplotlib figures, returned for pyplot or a notebook to show (the
+backend stays the caller's); networkx lays out the graph.
 
     visualize(plan)                 -> {"tensors": Figure, "graph": Figure, "costs": Figure}
     tensor_blocks(plan, names)      which block of each tensor every device of the mesh holds
@@ -17,13 +18,14 @@ from autopar.core.plan import Plan
 
 
 def _plt():
-    import matplotlib
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        try:
-            matplotlib.use("Agg")
-        except Exception:  # noqa: BLE001 - an interactive backend already in use is fine
-            pass
-    import matplotlib.pyplot as plt
+    """matplotlib.pyplot, imported when a picture is first drawn (matplotlib is the
+    optional [viz] extra). The backend is the user's: a notebook's inline backend shows
+    the figures, a script saves or shows them, and one without a display gets matplotlib's
+    own headless default. A library never switches it."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("autopar.tools.visualize draws with matplotlib: pip install 'autopar[viz]'") from None
     return plt
 
 
