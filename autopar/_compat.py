@@ -43,6 +43,12 @@ def tensor_leaf_paths(tree: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+def backend_compiler_failed() -> type:
+    """The exception torch.compile raises when its backend (Inductor) fails to compile."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    return BackendCompilerFailed
+
+
 def queue_backward_callback(fn: Any) -> None:
     """Run fn once the current backward pass has finished (the hook DDP's reducer uses)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

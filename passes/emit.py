@@ -1,6 +1,6 @@
-"""Stage 6: the program and the parameter shards of one rank.
+"""Stage 7: the program and the parameter shards of one rank.
 
-    Plan + TracedGraph + rank -> RankProgram(gm, input order, specs)
+    Plan + TracedGraph + rank -> rewrite (stage 5) -> schedule (stage 6) -> RankProgram(gm, input order, specs)
 
 The program takes its inputs in the traced graph's placeholder order: parameters,
 buffers, constants, then the user's tensor leaves, each as this rank's block."""
@@ -18,6 +18,7 @@ from autopar.core.kinds import NodeKind
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.rewrite import rewrite
+from autopar.passes.schedule import DEFAULT_CAP_BYTES, schedule
 from autopar.passes.trace import GraphInput, TracedGraph
 
 
@@ -34,10 +35,14 @@ class RankProgram:
 
 
 def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optional[torch.device] = None,
-         defer_grad_sync: bool = False) -> RankProgram:
-    """The program of the rank at `coords`; its reshard steps are unbound (passes/program.py)."""
+         defer_grad_sync: bool = False, inflight_cap_bytes: Optional[int] = DEFAULT_CAP_BYTES) -> RankProgram:
+    """The program of the rank at `coords`; its reshard steps are unbound (passes/program.py).
+    With `inflight_cap_bytes` its collectives are scheduled to overlap compute
+    (passes/schedule.py); None keeps each step where the rewrite put it."""
     check_fingerprint(plan, traced, "the plan")
     gm = rewrite(traced, plan, device, defer_grad_sync, coords)
+    if inflight_cap_bytes is not None:
+        schedule(gm, plan.mesh.shape, inflight_cap_bytes)
     specs = tuple(plan.node(gi.name).outputs[0] for gi in traced.inputs)
     return RankProgram(gm, traced.inputs, specs, coords)
 

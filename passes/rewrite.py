@@ -6,10 +6,12 @@
 
 1. Placeholders stay; they will be fed this rank's shards.
 2. Before each planned node, every tensor input goes through the Plan's steps for that
-   edge (one StepModule per step, named ap_<kind>_<n>, shared by consumers that need the same result).
+   edge (one StepModule per step, named ap_<kind>_<n>, shared by consumers that need the
+   same result; a communicating step is a start and a wait, ap_<kind>_<n>_wait).
 3. The node is copied with shape arguments made local (view/reshape/expand sizes).
 4. Outputs are made replicated, so every rank returns full tensors.
-Per-node facts written: node.meta["autopar.spec"] (output placements, e.g. "S(0)R").
+Per-node facts written: node.meta["autopar.spec"] (output placements, e.g. "S(0)R"),
+node.meta["autopar.step"] (the Step of a start or wait node).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from autopar.core.placement import block_index
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan
 from autopar.passes.local_ops import embedding_block
-from autopar.passes.program import StepModule
+from autopar.passes.program import StepModule, WaitModule
 from autopar.passes.strategies import OUTPUT
 from autopar.passes.trace import TracedGraph
 
@@ -68,8 +70,15 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
             if key not in cache:
                 name = f"ap_{step.kind}_{counter[0]}"
                 counter[0] += 1
-                root.add_module(name, StepModule(step, f"{edge.producer} -> {edge.consumer}"))
-                cache[key] = graph.call_module(name, (value,))
+                where = f"{edge.producer} -> {edge.consumer}"
+                root.add_module(name, StepModule(step, where))
+                started = graph.call_module(name, (value,))
+                started.meta["autopar.step"] = step
+                if step.kind.communicates:  # 2. a start and a wait, apart (passes/schedule.py)
+                    root.add_module(f"{name}_wait", WaitModule(step, where))
+                    started = graph.call_module(f"{name}_wait", (started,))
+                    started.meta["autopar.step"] = step
+                cache[key] = started
             value = cache[key]
         return value
 

@@ -18,7 +18,7 @@ from torch import fx
 
 from autopar import _compat
 from autopar.passes.emit import emit, local_inputs
-from autopar.passes.program import StepModule
+from autopar.passes.program import StepModule, WaitModule
 from autopar.core.mesh import Mesh
 from autopar.core.resharding import Step
 
@@ -101,9 +101,13 @@ def run_lockstep(programs: list[fx.GraphModule], mesh: Mesh, inputs: list[list[t
             continue
         if node.op == "call_module":
             mod = programs[0].get_submodule(node.target)
-            assert isinstance(mod, StepModule)
             xs = [envs[r][node_lists[r][i].args[0].name] for r in range(len(programs))]
-            ys = _MeshStep.apply(mod.step, mesh, *xs)
+            if isinstance(mod, WaitModule):  # the step ran whole at its start
+                ys = xs
+            elif isinstance(mod, StepModule):
+                ys = _MeshStep.apply(mod.step, mesh, *xs)
+            else:
+                raise TypeError(f"rank program module {node.target} is a {type(mod).__name__}, not a reshard step")
             for r in range(len(programs)):
                 envs[r][node_lists[r][i].name] = ys[r]
             continue

@@ -44,3 +44,15 @@ class Options:
     memory_budget_bytes: Optional[int] = None
     # optimiser state per parameter element in training: AdamW keeps two fp32 values
     optimizer_state_bytes: int = 8
+    # collectives start as early as their input exists and are waited on just before
+    # their result is used, with independent compute between (passes/schedule.py); their
+    # backward conjugates likewise. False: every step runs whole where the rewrite put it
+    overlap: bool = True
+    # bytes of collectives in flight at once on a rank (a start waits for older ones
+    # beyond it); bounds the memory that prefetched gathers hold
+    max_inflight_bytes: int = 256 * 2**20
+    # run each rank's program through torch.compile (Inductor), collectives inside the
+    # compiled graph; falls back to eager with one warning where Inductor cannot run
+    compile: bool = False
+    # keyword arguments for torch.compile (fullgraph=True is the default), e.g. {"mode": "max-autotune"}
+    compile_options: Optional[dict] = None

@@ -1,80 +1,122 @@
-"""Bucketed gradient all-reduce for data-parallel parameters.
+"""Data-parallel gradient all-reduce in buckets, overlapped with backward (as DDP does).
 
 The rewrite leaves out grad_sync steps that sit directly on a parameter whose every use
-syncs over the same mesh axes (passes/rewrite.py: deferred_grad_syncs). Instead, each
-such parameter marks itself when autograd has accumulated its gradient, and one callback
-at the end of the backward pass all-reduces all of them over their axes, flattened
-into buckets of at most BUCKET_BYTES, as DistributedDataParallel does. Only this
-backward's part of .grad is reduced (a gradient accumulated from earlier backwards was
-reduced then), so gradient accumulation stays correct.
+syncs over the same mesh axes (passes/rewrite.py: deferred_grad_syncs); this reduces
+their gradients instead.
+
+1. At build time the parameters are laid into buckets of at most BUCKET_BYTES, per set
+   of sync axes, in reverse order of the program's inputs: the order backward produces
+   their gradients.
+2. During backward each parameter's gradient hook copies this backward's gradient (not
+   what .grad held before) into its bucket's flat buffer; the moment a bucket is full its
+   all-reduce starts over the first axis, while backward goes on.
+3. One callback at the end of backward waits for every bucket, reduces over any further
+   axes, and writes each gradient: .grad = reduced, or, where .grad held an earlier
+   backward's (already reduced) gradient, .grad += reduced - this backward's own part.
+   So gradient accumulation stays exact and nothing is copied before a forward.
+Every rank runs the same program, so buckets fill, start and finish in the same order
+on every rank.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from autopar import _compat
-from autopar.runtime.collectives import AxisComm, _all_reduce
+from autopar.runtime.collectives import AxisComm, Move, all_reduce, finish, launch
+from autopar.core.kinds import StepKind
 
 BUCKET_BYTES = 25 * 2**20
+_SUM = Move(StepKind.ALL_REDUCE)
+
+
+@dataclass
+class _Bucket:
+    axes: tuple[int, ...]
+    params: list[torch.Tensor] = field(default_factory=list)  # in the order their gradients arrive
+    offsets: dict[int, int] = field(default_factory=dict)  # id(param) -> its place in `flat`
+    numel: int = 0
+    flat: Optional[torch.Tensor] = None  # this backward's gradients, side by side
+    arrived: dict[int, bool] = field(default_factory=dict)  # id(param) -> .grad held an earlier gradient
+    started: Optional[torch.Tensor] = None  # the all-reduce in flight
 
 
 class GradBuckets:
     def __init__(self, params: list[tuple[str, torch.nn.Parameter, tuple[int, ...]]],
                  comms: tuple[AxisComm, ...]) -> None:
-        self.params = params  # (name, parameter, axes), in a fixed order on every rank
         self.comms = comms
-        self.by_id = {id(p): name for name, p, _ in params}  # tied names share one tensor
-        self.before: dict[str, Optional[torch.Tensor]] = {}
-        self.ready: set[str] = set()
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: dict[int, _Bucket] = {}  # id(param) -> its bucket (tied names are one tensor)
+        self._layout([(p, axes) for _, p, axes in reversed(params)])
         self.queued = False
+
+    def _layout(self, params: list[tuple[torch.nn.Parameter, tuple[int, ...]]]) -> None:
+        """Step 1."""
+        open_by_axes: dict[tuple[int, ...], _Bucket] = {}
+        for p, axes in params:
+            if id(p) in self.bucket_of:
+                continue
+            bucket = open_by_axes.get(axes)
+            if bucket is None or (bucket.numel + p.numel()) * p.element_size() > BUCKET_BYTES:
+                bucket = open_by_axes[axes] = _Bucket(axes)
+                self.buckets.append(bucket)
+            bucket.params.append(p)
+            bucket.offsets[id(p)] = bucket.numel
+            bucket.numel += p.numel()
+            self.bucket_of[id(p)] = bucket
 
     def arm(self) -> None:
-        """Called before each forward: remember what .grad held (None after zero_grad)."""
-        self.before = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p, _ in self.params}
-        self.ready.clear()
+        """Called before each forward that will be differentiated."""
+        for b in self.buckets:
+            b.arrived.clear()
+            b.flat, b.started = None, None
         self.queued = False
 
-    def accumulated(self, param: torch.nn.Parameter) -> None:
-        """The runtime's post-accumulate-grad hook on every parameter calls this."""
-        name = self.by_id.get(id(param))
-        if name is None:
+    def gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Step 2: the parameter's gradient hook (before autograd accumulates `grad`)."""
+        bucket = self.bucket_of.get(id(param))
+        if bucket is None:
             return
-        self.ready.add(name)
         if not self.queued:
             self.queued = True
-            _compat.queue_backward_callback(self.flush)
+            _compat.queue_backward_callback(self.finish)
+        if bucket.flat is None:
+            bucket.flat = grad.new_zeros(bucket.numel)
+        offset = bucket.offsets[id(param)]
+        bucket.flat[offset: offset + grad.numel()].copy_(grad.reshape(-1))
+        bucket.arrived[id(param)] = param.grad is not None
+        if len(bucket.arrived) == len(bucket.params):
+            bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
 
     @torch.no_grad()
-    def flush(self) -> None:
-        by_axes: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, p, axes in self.params:
-            if name in self.ready and p.grad is not None:
-                by_axes.setdefault(axes, []).append((name, p))
-        for axes, members in by_axes.items():
-            bucket: list[tuple[str, torch.nn.Parameter]] = []
-            size = 0
-            for name, p in members:
-                bucket.append((name, p))
-                size += p.grad.numel() * p.grad.element_size()
-                if size >= BUCKET_BYTES:
-                    self._reduce(bucket, axes)
-                    bucket, size = [], 0
-            if bucket:
-                self._reduce(bucket, axes)
-        self.ready.clear()
+    def finish(self) -> None:
+        """Step 3: every bucket reduced and written back, in the order they filled."""
+        for bucket in self.buckets:
+            if bucket.flat is None:
+                continue
+            if bucket.started is None:  # some parameter got no gradient this time
+                bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
+        for bucket in self.buckets:
+            if bucket.flat is None:
+                continue
+            reduced = finish(_SUM, bucket.started, self.comms[bucket.axes[0]])
+            for axis in bucket.axes[1:]:
+                reduced = all_reduce(reduced, self.comms[axis])
+            self._write(bucket, reduced)
+            bucket.flat, bucket.started = None, None
         self.queued = False
 
-    def _reduce(self, bucket: list[tuple[str, torch.nn.Parameter]], axes: tuple[int, ...]) -> None:
-        new = [p.grad - self.before[name] if self.before.get(name) is not None else p.grad for name, p in bucket]
-        flat = torch.cat([g.reshape(-1) for g in new])
-        for a in axes:
-            flat = _all_reduce(flat, self.comms[a])
-        offset = 0
-        for (name, p), g in zip(bucket, new):
-            part = flat[offset: offset + g.numel()].view_as(g)
-            offset += g.numel()
-            base = self.before.get(name)
-            p.grad.copy_(part if base is None else base + part)
+    @staticmethod
+    def _write(bucket: _Bucket, reduced: torch.Tensor) -> None:
+        for p in bucket.params:
+            if id(p) not in bucket.arrived:
+                continue
+            offset = bucket.offsets[id(p)]
+            part = reduced[offset: offset + p.numel()].view_as(p)
+            if bucket.arrived[id(p)]:  # .grad = earlier + own; the earlier part was reduced then
+                p.grad.add_(part - bucket.flat[offset: offset + p.numel()].view_as(p))
+            else:
+                p.grad.copy_(part)

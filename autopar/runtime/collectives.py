@@ -1,5 +1,4 @@
-"""Collectives on one mesh axis as autograd functions with their conjugate backward,
-and the runner that executes the reshard steps of an emitted program.
+"""Collectives on one mesh axis, with their conjugate backward, started and waited apart.
 
     step         forward                    backward
     all_reduce   sum (avg: /n, max)         identity (avg: /n; max: where x won)
@@ -10,9 +9,20 @@ and the runner that executes the reshard steps of an emitted program.
     to_partial   x on coordinate 0, else 0  identity (the incoming gradient is complete)
     grad_sync    identity                   all_reduce
 
+Every collective is torch's functional collective (`torch.ops._c10d_functional`) on
+the tensor forms (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single):
+it returns at once with a tensor that `wait_tensor` completes. That is one mechanism
+for both ways a program runs: eagerly, where the start and the wait are two nodes of
+the program and compute runs between them (passes/schedule.py places them), and
+under torch.compile, which traces functional collectives without graph breaks (work
+handles would break the graph). A move is a `launch` (lay the input out, issue the
+collective) and a `finish` (wait, lay the result out); the two halves of an
+asynchronous step are autograd functions whose backward runs the conjugate the same
+way round: the wait's backward launches it, the start's backward finishes it, so the
+backward work between them overlaps it too.
+
 Nothing here decides what to run: the Plan's steps do; `step_runner` is what the
-StepModules of an emitted program (passes/program.py) are bound to. Each call blocks on a
-torch.distributed collective whose timeout is the process group's.
+StepModules of an emitted program (passes/program.py) are bound to.
 """
 
 from __future__ import annotations
@@ -21,187 +31,237 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from autopar import _compat
 from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
 from autopar.core.resharding import Step
-from autopar.passes.program import StepRunner
+
+_C10D = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
 class AxisComm:
     """This rank's view of one mesh axis: its process group, size and coordinate."""
 
-    group: Any  # torch.distributed ProcessGroup, or None for a 1-rank axis
+    group: Any  # torch.distributed ProcessGroup
     size: int
     coord: int
+    name: str  # the group's name, which functional collectives take (and torch.compile traces)
 
 
-def _all_reduce(x: torch.Tensor, comm: AxisComm, reduce: str = "sum") -> torch.Tensor:
-    y = x.contiguous().clone()
-    if comm.size > 1:
-        op = dist.ReduceOp.MAX if reduce == "max" else dist.ReduceOp.SUM
-        dist.all_reduce(y, op=op, group=comm.group)
-        if reduce == "avg":
-            y = y / comm.size
-    return y
+@dataclass(frozen=True)
+class Move:
+    """One collective or local move on an axis, in either direction of a step."""
+
+    kind: StepKind
+    dim: Optional[int] = None
+    to_dim: Optional[int] = None
+    reduce: str = "sum"
 
 
-def _all_gather(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
-    if comm.size == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(comm.size)]
-    dist.all_gather(parts, x, group=comm.group)
-    return torch.cat(parts, dim=dim)
+# ---- 1. moves: launch (issue) and finish (wait, lay out) -------------------------------
+
+def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """Issue `move` on x; a communicating move returns a tensor `finish` completes, a
+    local one its result."""
+    n, kind = comm.size, move.kind
+    if n == 1 or kind in (StepKind.IDENTITY, StepKind.GRAD_SYNC):
+        return x.view_as(x)
+    if kind is StepKind.SLICE:
+        return x.chunk(n, dim=move.dim)[comm.coord].contiguous()
+    if kind is StepKind.TO_PARTIAL:
+        return x.clone() if comm.coord == 0 else torch.zeros_like(x)
+    if kind is StepKind.ALL_REDUCE:
+        return _C10D.all_reduce(x.contiguous(), "max" if move.reduce == "max" else "sum", comm.name)
+    if kind is StepKind.ALL_GATHER:
+        return _C10D.all_gather_into_tensor(x.contiguous(), n, comm.name)
+    if kind is StepKind.REDUCE_SCATTER:
+        return _C10D.reduce_scatter_tensor(x.movedim(move.dim, 0).contiguous(), "sum", n, comm.name)
+    if kind is StepKind.ALL_TO_ALL:  # send chunk i of to_dim to rank i
+        moved = x.movedim(move.to_dim, 0).contiguous()
+        splits = [moved.shape[0] // n] * n
+        return _C10D.all_to_all_single(moved, splits, splits, comm.name)
+    raise ValueError(f"unknown move {kind!r}")
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
-    if comm.size == 1:
-        return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // comm.size,) + tuple(moved.shape[1:]))
-    _compat.reduce_scatter_tensor(out, moved, comm.group)
-    return out.movedim(0, dim).contiguous()
+def finish(move: Move, started: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """The result of a launched move (waits for a collective first)."""
+    n, kind = comm.size, move.kind
+    if n == 1 or not kind.communicates:
+        return started
+    y = _C10D.wait_tensor(started)
+    if kind is StepKind.ALL_REDUCE:
+        return y / n if move.reduce == "avg" else y
+    if kind is StepKind.ALL_GATHER:  # gathered along dim 0: blocks of the input's shape, one per rank
+        if move.dim == 0:
+            return y
+        block = (y.shape[0] // n,) + tuple(y.shape[1:])
+        merged = list(block)
+        merged[move.dim] *= n
+        return y.view(n, *block).movedim(0, move.dim).reshape(merged)
+    if kind is StepKind.REDUCE_SCATTER:
+        return y if move.dim == 0 else y.movedim(0, move.dim).contiguous()
+    if kind is StepKind.ALL_TO_ALL:  # block i came from rank i: its `dim` block of our to_dim chunk
+        return torch.cat([b.movedim(0, move.to_dim) for b in y.chunk(n, dim=0)], dim=move.dim)
+    raise ValueError(f"unknown move {kind!r}")
 
 
-def _all_to_all(x: torch.Tensor, dim: int, to_dim: int, comm: AxisComm) -> torch.Tensor:
+def move(m: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    return finish(m, launch(m, x, comm), comm)
+
+
+def all_reduce(x: torch.Tensor, comm: AxisComm, reduce: str = "sum") -> torch.Tensor:
+    return move(Move(StepKind.ALL_REDUCE, reduce=reduce), x, comm)
+
+
+def all_gather(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
+    return move(Move(StepKind.ALL_GATHER, dim), x, comm)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
+    return move(Move(StepKind.REDUCE_SCATTER, dim), x, comm)
+
+
+def all_to_all(x: torch.Tensor, dim: int, to_dim: int, comm: AxisComm) -> torch.Tensor:
     """x is split along `dim` across the axis; return it split along `to_dim` instead."""
-    if comm.size == 1:
-        return x
-    send = [c.contiguous() for c in x.chunk(comm.size, dim=to_dim)]
-    recv = [torch.empty_like(send[0]) for _ in range(comm.size)]
-    dist.all_to_all(recv, send, group=comm.group)
-    return torch.cat(recv, dim=dim)
+    return move(Move(StepKind.ALL_TO_ALL, dim, to_dim), x, comm)
 
 
-def _slice(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
-    if comm.size == 1:
-        return x
-    return x.chunk(comm.size, dim=dim)[comm.coord].contiguous()
+# ---- 2. a step's two directions ----------------------------------------------------------
+
+def forward_move(step: Step) -> Move:
+    return Move(step.kind, step.dim, step.to_dim, step.reduce)
 
 
-class _AllReduce(torch.autograd.Function):
+def backward_move(step: Step) -> Move:
+    """The conjugate (autopar/core/resharding.py's table); all_reduce's avg and max
+    backwards are local and handled by the autograd functions."""
+    back = step.backward
+    if back is StepKind.ALL_TO_ALL:
+        return Move(back, step.to_dim, step.dim)
+    if back is StepKind.ALL_REDUCE:
+        return Move(back)
+    return Move(back, step.dim)
+
+
+class _Step(torch.autograd.Function):
+    """A whole step, forward and backward: what runs under torch.compile and for the
+    local steps (slice, to_partial, grad_sync) and P(max) reductions."""
+
     @staticmethod
-    def forward(ctx, x, comm, reduce):
-        y = _all_reduce(x, comm, reduce)
-        ctx.comm, ctx.reduce = comm, reduce
-        if reduce == "max":
+    def forward(ctx, x, step, comm):
+        ctx.step, ctx.comm = step, comm
+        y = move(forward_move(step), x, comm)
+        if step.kind is StepKind.ALL_REDUCE and step.reduce == "max":
             ctx.save_for_backward(x, y)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.reduce == "avg":
-            return g / ctx.comm.size, None, None
-        if ctx.reduce == "max":
+        step, comm = ctx.step, ctx.comm
+        if step.kind is StepKind.ALL_REDUCE and step.reduce == "max":
             x, y = ctx.saved_tensors
             return g * (x == y).to(g.dtype), None, None
-        return g, None, None
+        if step.kind is StepKind.ALL_REDUCE and step.reduce == "avg":
+            return g / comm.size, None, None
+        return move(backward_move(step), g, comm), None, None
 
 
-class _AllGather(torch.autograd.Function):
+@dataclass
+class Started:
+    """What a step's start hands its wait: the launched forward collective, and, in
+    backward, the conjugate the wait's backward launched for the start's backward."""
+
+    tensor: Optional[torch.Tensor] = None
+    grad: Optional[torch.Tensor] = None
+
+
+class _Start(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm, fused_sync):
-        ctx.dim, ctx.comm, ctx.fused_sync = dim, comm, fused_sync
-        return _all_gather(x, dim, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.fused_sync:
-            return _reduce_scatter(g, ctx.dim, ctx.comm), None, None, None
-        return _slice(g, ctx.dim, ctx.comm), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _reduce_scatter(x, dim, comm)
+    def forward(ctx, x, step, comm, box):
+        ctx.step, ctx.comm, ctx.box = step, comm, box
+        return launch(forward_move(step), x, comm)
 
     @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.comm), None, None
+    def backward(ctx, _placeholder):
+        g, ctx.box.grad = ctx.box.grad, None
+        step = ctx.step
+        if step.kind is StepKind.ALL_REDUCE:  # identity (avg: scaled by the wait's backward)
+            return g, None, None, None
+        return finish(backward_move(step), g, ctx.comm), None, None, None
 
 
-class _AllToAll(torch.autograd.Function):
+class _Wait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, to_dim, comm):
-        ctx.dim, ctx.to_dim, ctx.comm = dim, to_dim, comm
-        return _all_to_all(x, dim, to_dim, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_to_all(g, ctx.to_dim, ctx.dim, ctx.comm), None, None, None
-
-
-class _Slice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _slice(x, dim, comm)
+    def forward(ctx, started, step, comm, box):
+        ctx.step, ctx.comm, ctx.box = step, comm, box
+        ctx.shape, ctx.dtype = started.shape, started.dtype
+        return finish(forward_move(step), started, comm)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.comm), None, None
+        step, comm = ctx.step, ctx.comm
+        if step.kind is StepKind.ALL_REDUCE:
+            ctx.box.grad = g / comm.size if step.reduce == "avg" else g
+        else:
+            ctx.box.grad = launch(backward_move(step), g, comm)
+        # the real gradient travels in the box; autograd gets a free stand-in of the right shape
+        return torch.zeros((), dtype=ctx.dtype, device=g.device).expand(ctx.shape), None, None, None
 
 
-class _ToPartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.clone() if comm.coord == 0 else torch.zeros_like(x)
+# ---- 3. what a rank program's steps are bound to ------------------------------------------
 
-    @staticmethod
-    def backward(ctx, g):
-        # the gradient of a partial value is complete and identical on every rank of the
-        # axis (it came back through the all-reduce that summed it), so it is x's gradient
-        return g, None
+def _splits(step: Step) -> bool:
+    """Steps run as a start and a wait: the collectives whose backward autograd can
+    carry through the box (not P(max), whose backward needs the forward result)."""
+    return step.kind.communicates and not (step.kind is StepKind.ALL_REDUCE and step.reduce == "max")
 
 
-class _GradSync(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+class ProcessGroupRunner:
+    """Runs reshard steps on this rank's process groups (passes/program.py: StepRunner).
+    `overlap=False` runs each step whole in its start (its wait passes it on): the form
+    torch.compile traces, leaving the ordering of collectives to the compiler."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.comm), None
+    def __init__(self, comms: tuple[AxisComm, ...], overlap: bool = True) -> None:
+        self.comms = comms
+        self.overlap = overlap
 
+    def start(self, step: Step, x: torch.Tensor, where: str) -> Any:
+        comm = self.comms[step.axis]
+        if not self.overlap:  # plain enough for torch.compile to trace
+            return _Step.apply(x, step, comm)
+        with _naming(step, comm, where):
+            if _splits(step) and comm.size > 1:
+                box = Started()
+                box.tensor = _Start.apply(x, step, comm, box)
+                return box
+            return _Step.apply(x, step, comm)
 
-def run_step(step: Step, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    """Apply one reshard step to this rank's local tensor."""
-    kind = step.kind
-    if kind is StepKind.ALL_REDUCE:
-        return _AllReduce.apply(x, comm, step.reduce)
-    if kind is StepKind.ALL_GATHER:
-        return _AllGather.apply(x, step.dim, comm, step.backward is StepKind.REDUCE_SCATTER)
-    if kind is StepKind.REDUCE_SCATTER:
-        return _ReduceScatter.apply(x, step.dim, comm)
-    if kind is StepKind.ALL_TO_ALL:
-        return _AllToAll.apply(x, step.dim, step.to_dim, comm)
-    if kind is StepKind.SLICE:
-        return _Slice.apply(x, step.dim, comm)
-    if kind is StepKind.TO_PARTIAL:
-        return _ToPartial.apply(x, comm)
-    if kind is StepKind.GRAD_SYNC:
-        return _GradSync.apply(x, comm)
-    raise ValueError(f"unknown reshard step {step.kind!r}")
+    def wait(self, step: Step, started: Any, where: str) -> torch.Tensor:
+        if not isinstance(started, Started):
+            return started
+        comm = self.comms[step.axis]
+        with _naming(step, comm, where):
+            return _Wait.apply(started.tensor, step, comm, started)
 
 
-def step_runner(comms: tuple[AxisComm, ...]) -> StepRunner:
-    """What a rank program's StepModules call (passes/program.py: bind): the step on
-    this rank's group of its mesh axis; a failure becomes a CollectiveError naming the edge."""
-    def run(step: Step, x: torch.Tensor, where: str) -> torch.Tensor:
-        comm = comms[step.axis]
-        try:
-            return run_step(step, x, comm)
-        except RuntimeError as e:
+class _naming:
+    """Turns a failing collective into a CollectiveError that names the edge."""
+
+    def __init__(self, step: Step, comm: AxisComm, where: str) -> None:
+        self.step, self.comm, self.where = step, comm, where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if isinstance(error, RuntimeError) and not isinstance(error, CollectiveError):
             raise CollectiveError(
-                f"{step} on the edge {where} failed on mesh coordinate {comm.coord} of axis {step.axis}: {e}. "
-                "A peer rank probably failed or stopped first: look at its log (the collective timeout is "
-                "Options.collective_timeout_s)") from e
-    return run
+                f"{self.step} on the edge {self.where} failed on mesh coordinate {self.comm.coord} of axis "
+                f"{self.step.axis}: {error}. A peer rank probably failed or stopped first: look at its log (the "
+                "collective timeout is Options.collective_timeout_s)") from error
+        return False
+
+
+def step_runner(comms: tuple[AxisComm, ...], overlap: bool = True) -> ProcessGroupRunner:
+    return ProcessGroupRunner(comms, overlap)

@@ -81,7 +81,7 @@ def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, time
             if rank in ranks:
                 mine = group
         groups.append(mine)
-        comms.append(AxisComm(mine, size, coords[axis]))
+        comms.append(AxisComm(mine, size, coords[axis], mine.group_name))
     device_mesh = DeviceMesh.from_group(groups, device.type, mesh=torch.arange(mesh.size).view(mesh.shape),
                                         mesh_dim_names=tuple(f"axis{a}" for a in range(mesh.ndim)))
     return MeshGroups(mesh, rank, tuple(comms), device_mesh, dist.group.WORLD)

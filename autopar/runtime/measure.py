@@ -29,7 +29,7 @@ from autopar.cost_models.profile import COLLECTIVES, Profile, compute_key, fit_a
 from autopar.passes.rewrite import localize_call
 from autopar.passes.rules import TensorArg
 from autopar.passes.strategies import AnnotatedGraph
-from autopar.runtime.collectives import AxisComm, _all_gather, _all_reduce, _all_to_all, _reduce_scatter
+from autopar.runtime.collectives import AxisComm, all_gather, all_reduce, all_to_all, reduce_scatter
 
 
 # ---- 1. compute profiling --------------------------------------------------------
@@ -149,10 +149,10 @@ def calibrate(comms: tuple[AxisComm, ...], device: torch.device, sizes: Optional
     for axis, comm in enumerate(comms):
         if comm.size == 1:
             continue
-        runs = {StepKind.ALL_REDUCE: lambda x: _all_reduce(x, comm),
-                StepKind.ALL_GATHER: lambda x: _all_gather(x, 0, comm),
-                StepKind.REDUCE_SCATTER: lambda x: _reduce_scatter(x, 0, comm),
-                StepKind.ALL_TO_ALL: lambda x: _all_to_all(x, 0, 0, comm)}
+        runs = {StepKind.ALL_REDUCE: lambda x: all_reduce(x, comm),
+                StepKind.ALL_GATHER: lambda x: all_gather(x, 0, comm),
+                StepKind.REDUCE_SCATTER: lambda x: reduce_scatter(x, 0, comm),
+                StepKind.ALL_TO_ALL: lambda x: all_to_all(x, 0, 0, comm)}
         for kind, run in runs.items():
             seconds = []
             for nbytes in sizes:

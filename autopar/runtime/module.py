@@ -16,8 +16,9 @@ A coordinator over small parts: groups.py (process groups per mesh axis), planne
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from autopar.passes.strategies import annotate
 from autopar.passes.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.collectives import step_runner
+from autopar.runtime.compiling import compiled_program
 from autopar.runtime.groups import mesh_groups
 from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.runtime.planner import agreed_plan
@@ -51,6 +53,7 @@ class Compiled:
     plan: Plan
     program: RankProgram
     buckets: GradBuckets  # this program's data-parallel gradient all-reduces
+    run: Callable[..., Any]  # the program itself, or the program under torch.compile
 
 
 class ParallelModule(ShardedStateMethods, nn.Module):
@@ -62,7 +65,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         groups = mesh_groups(mesh, self.device, options.collective_timeout_s)
         self.rank, self.coords, self.comms, self.device_mesh = groups.rank, groups.coords, groups.comms, groups.device_mesh
         self.__dict__["source_model"] = model  # not a submodule: its full parameters are not ours
-        self.shards, self.state_tensors = empty_shards(model, self.device, self._accumulated)
+        self.shards, self.state_tensors = empty_shards(model, self.device, _BucketsOf(self))
         self.state_specs: dict[str, Spec] = {}  # state-dict name -> Spec of its shard
         self.programs: dict[tuple, Compiled] = {}  # input signature -> its program
         self.current: Optional[Compiled] = None  # the program of the last call (or of compile's inputs)
@@ -101,7 +104,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             compiled.buckets.arm()
             self._armed = compiled.buckets
         feed = self._feed(compiled, tensors, user_is_local=local_inputs)
-        outputs = compiled.program.gm(*feed)
+        outputs = compiled.run(*feed)
         return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
 
     @property
@@ -126,10 +129,6 @@ class ParallelModule(ShardedStateMethods, nn.Module):
                                "to autopar.compile to plan eagerly)")
         return self.current
 
-    def _accumulated(self, param: torch.Tensor) -> None:
-        if self._armed is not None:
-            self._armed.accumulated(param)
-
     def _feed(self, compiled: Compiled, tensors: list[torch.Tensor], user_is_local: bool) -> list[torch.Tensor]:
         return local_inputs(compiled.program, self.state_tensors, compiled.traced.constants, tensors,
                             self.mesh.shape, state_is_local=True, user_is_local=user_is_local)
@@ -149,8 +148,10 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             problem = e
         profile = self._profile() if self._given is None and problem is None else None
         plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile), self._given, self._given_source)
-        program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True)
-        bind(program.gm, step_runner(self.comms))
+        opts = self.options
+        program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True,
+                       inflight_cap_bytes=opts.max_inflight_bytes if opts.overlap else None)
+        bind(program.gm, step_runner(self.comms, overlap=opts.overlap and not opts.compile))
         if self._pinned is None:
             self.state_specs = fill_shards(self.source_model, self.state_tensors, traced, plan, self.coords,
                                            self.on_meta)
@@ -158,7 +159,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         deferred = program.gm.meta.get("autopar.deferred_grad_syncs", ())
         targets = {gi.name: gi.target for gi in traced.inputs}
         buckets = GradBuckets([(targets[n], self.state_tensors[targets[n]], axes) for n, axes in deferred], self.comms)
-        return Compiled(traced, plan, program, buckets)
+        run = compiled_program(program.gm, self.device, opts.compile_options) if opts.compile else program.gm
+        return Compiled(traced, plan, program, buckets, run)
 
     def _profile(self):
         """Options.cost_model == "profile": this machine's cached profile, with the mesh's
@@ -188,6 +190,19 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             f"no plan takes local inputs of shapes {[s for s, _ in shapes]} on rank {self.rank}: call the module once "
             "with full inputs (or compile with example inputs) so the global shapes are known, then pass each "
             "rank's block as pm.shard_inputs(...) gives it")
+
+
+class _BucketsOf:
+    """The gradient hook's way to the module's armed buckets (a weak reference: the hooks
+    live on the module's own parameters)."""
+
+    def __init__(self, pm: ParallelModule) -> None:
+        self.pm = weakref.ref(pm)
+
+    def __call__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        pm = self.pm()
+        if pm is not None and pm._armed is not None:
+            pm._armed.gradient(param, grad)
 
 
 def _given_plan(plan: "Plan | str | os.PathLike | None") -> tuple[Optional[Plan], str]:

@@ -15,6 +15,7 @@ when the first plan fixes their layouts.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -35,10 +36,12 @@ def tied_groups(names: Iterable[str], tensor_of: Callable[[str], Any]) -> list[l
 
 
 def empty_shards(model: nn.Module, device: torch.device,
-                 on_grad: Callable[[torch.Tensor], None]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+                 on_grad: Callable[[torch.Tensor, torch.Tensor], None]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """A module tree mirroring the model's state-dict names, with empty parameters and
-    buffers (tied names share one), and the same tensors by dotted name. `on_grad` is
-    every parameter's post-accumulate-grad hook (the gradient buckets listen there)."""
+    buffers (tied names share one), and the same tensors by dotted name. Each parameter's
+    gradient hook calls on_grad(parameter, this backward's gradient) before autograd
+    accumulates it (the gradient buckets listen there); the hook holds the parameter
+    weakly, so no reference cycle outlives the module."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     root, by_name = nn.Module(), {}
@@ -48,13 +51,24 @@ def empty_shards(model: nn.Module, device: torch.device,
             holder: torch.Tensor = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device),
                                                 requires_grad=full.requires_grad)
             if full.requires_grad:
-                holder.register_post_accumulate_grad_hook(on_grad)
+                holder.register_hook(_GradHook(holder, on_grad))
         else:
             holder = torch.empty(0, dtype=full.dtype, device=device)
         for name in group:
             _register(root, name, holder)
             by_name[name] = holder
     return root, by_name
+
+
+class _GradHook:
+    def __init__(self, param: torch.Tensor, on_grad: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        self.param = weakref.ref(param)
+        self.on_grad = on_grad
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        param = self.param()
+        if param is not None:
+            self.on_grad(param, grad)
 
 
 def fill_shards(model: nn.Module, shards: dict[str, torch.Tensor], traced: TracedGraph, plan: Plan,

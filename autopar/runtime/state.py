@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Partial, Shard, Spec, block_index, local_chunk
-from autopar.runtime.collectives import AxisComm, _all_gather, _all_reduce
+from autopar.runtime.collectives import AxisComm, all_gather, all_reduce
 from autopar.runtime.shards import tied_groups
 
 
@@ -58,7 +58,7 @@ def clip_grad_norm_(pm: "ShardedModel", max_norm: float, norm_type: float = 2.0)
         else:
             part = sum(g.detach().double().abs().pow(norm_type).sum() for g in grads)
         for a in axes:
-            part = _all_reduce(part.reshape(1), pm.comms[a], "max" if inf else "sum")[0]
+            part = all_reduce(part.reshape(1), pm.comms[a], "max" if inf else "sum")[0]
         total = torch.maximum(total, part) if inf else total + part
     norm = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -74,9 +74,9 @@ def gather_full(local: torch.Tensor, spec: Spec, pm: "ShardedModel") -> torch.Te
     for axis in reversed(range(len(spec.placements))):
         p = spec.placements[axis]
         if isinstance(p, Shard):
-            out = _all_gather(out, p.dim, pm.comms[axis])
+            out = all_gather(out, p.dim, pm.comms[axis])
         elif isinstance(p, Partial):
-            out = _all_reduce(out, pm.comms[axis], p.reduce)
+            out = all_reduce(out, pm.comms[axis], p.reduce)
     return out
 
 
