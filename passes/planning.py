@@ -59,16 +59,17 @@ def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, m
     """Plan `model` for `mesh` offline (no process group): the Plan autopar.compile
     would run. Keyword overrides go to Options (e.g. device="h100", training=True)."""
     opts = options_with(options, option_overrides)
-    return plan_traced(trace_for_planning(model, args, kwargs), Mesh.of(mesh), opts)[1]
+    return plan_traced(trace_for_planning(model, args, kwargs, opts.param_dtype), Mesh.of(mesh), opts)[1]
 
 
-def trace_for_planning(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None) -> TracedGraph:
+def trace_for_planning(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None,
+                       param_dtype: Optional[torch.dtype] = None) -> TracedGraph:
     """Trace with example inputs; a model without weights (meta device) plans on shapes
-    alone, so its inputs move to meta too."""
+    alone, so its inputs move to meta too. `param_dtype`: Options.param_dtype."""
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     if any(p.device.type == "meta" for p in model.parameters()):
         args, kwargs = inputs_on_meta(args, kwargs or {})
-    return trace(model, args, kwargs)
+    return trace(model, args, kwargs, param_dtype)
 
 
 def inputs_on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -18,7 +18,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import fx, nn
@@ -61,19 +61,41 @@ class Leaf(Enum):
 
 
 class _TensorLeafCall(nn.Module):
-    """Calls `model` from tensor leaves only, so export sees nothing but tensors."""
+    """Calls `model` from tensor leaves only, so export sees nothing but tensors.
 
-    def __init__(self, model: nn.Module, in_spec: Any, leaves: tuple) -> None:
+    With a `param_dtype` (mixed precision, as FSDP2's MixedPrecisionPolicy) the model runs
+    on copies of its floating parameters and inputs in that dtype, and its floating
+    outputs come back in the parameters' own dtype: the casts are ops of the traced graph,
+    so the planner prices them (it may gather the cheap copies instead of the masters)
+    and autograd returns gradients to the full-precision parameters (the masters)."""
+
+    def __init__(self, model: nn.Module, in_spec: Any, leaves: tuple,
+                 param_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.model = model
         self.in_spec = in_spec
         self.leaves = leaves
+        self.param_dtype = param_dtype
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         it = iter(tensors)
         leaves = [next(it) if leaf is Leaf.TENSOR else leaf for leaf in self.leaves]
         args, kwargs = _compat.tree_unflatten(leaves, self.in_spec)
-        return self.model(*args, **kwargs)
+        if self.param_dtype is None:
+            return self.model(*args, **kwargs)
+        low = self.param_dtype
+        masters = dict(self.model.named_parameters())
+        out_dtype = next((p.dtype for p in masters.values() if p.is_floating_point()), torch.float32)
+        copies = {k: p.to(low) if p.is_floating_point() else p for k, p in masters.items()}
+        args, kwargs = _cast_floating((args, kwargs), low)
+        out = torch.func.functional_call(self.model, copies, args, kwargs, tie_weights=True, strict=False)
+        return _cast_floating(out, out_dtype)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    leaves, spec = _compat.tree_flatten(tree)
+    return _compat.tree_unflatten([x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                                   for x in leaves], spec)
 
 
 def flatten_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any, tuple]:
@@ -98,11 +120,14 @@ def kv_cache_off(model: nn.Module) -> Iterator[None]:
         config.use_cache = before
 
 
-def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> TracedGraph:
+def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
+          param_dtype: Optional[torch.dtype] = None) -> TracedGraph:
+    """`param_dtype`: run on copies of the floating parameters and inputs in this dtype
+    (mixed precision; see _TensorLeafCall)."""
     kwargs = dict(kwargs or {})
     # 1. flatten
     tensors, in_spec, consts = flatten_inputs(args, kwargs)
-    wrapper = _TensorLeafCall(model, in_spec, consts)
+    wrapper = _TensorLeafCall(model, in_spec, consts, param_dtype)
     name = type(model).__name__
     # 2. export
     try:

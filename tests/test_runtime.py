@@ -112,3 +112,61 @@ def test_verify_a_transformers_model_with_its_kv_cache_on():
         assert res["ok"], res["text"]
         assert res["outputs"] == 2  # loss and logits, no cache tensors
         assert res["use_cache"] is True  # the user's config is as it was
+
+
+def mixed_precision_training(rank: int, world: int, model: str, mesh: tuple, steps: int = 4) -> dict:
+    """bf16 compute on fp32 master shards (Options.param_dtype / reduce_dtype) against one
+    device under torch.autocast(bfloat16), both trained with AdamW from the same weights."""
+    from tests.cases import CHEAP_COMM
+    m = models.build(model).train()
+    ref = models.build(model).train()
+    ref.load_state_dict(m.state_dict())
+    args, kwargs = models.inputs(model, batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=CHEAP_COMM, param_dtype=torch.bfloat16,
+                             reduce_dtype=torch.float32)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    before = {k: t.detach().clone() for k, t in pm.state_tensors.items()}
+    losses, ref_losses, out_dtypes = [], [], set()
+    for _ in range(steps):
+        out = pm(*args, **kwargs)
+        out_dtypes.add(out.logits.dtype)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = ref(*args, **kwargs).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    masters = {str(t.dtype) for t in pm.parameters()}
+    moved = sum(1 for k, t in pm.state_tensors.items() if t.is_floating_point() and t.numel()
+                and not torch.equal(t.detach(), before[k]))
+    casts = sum(1 for n in pm.plan.nodes if n.op in ("aten.to.dtype", "aten._to_copy.default"))
+    return {"losses": losses, "ref": ref_losses, "masters": masters, "moved": moved, "casts": casts,
+            "out_dtypes": {str(d) for d in out_dtypes}, "sharded": sum(1 for s in pm.state_specs.values()
+                                                                      if not s.is_replicated())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_mixed_precision_tracks_autocast_and_updates_fp32_masters(model):
+    results = run_ranks(4, [(mixed_precision_training, dict(model=model, mesh=(2, 2)))])
+    for rank, (res,) in enumerate(results):
+        assert res["masters"] == {"torch.float32"} and res["out_dtypes"] == {"torch.float32"}
+        assert res["moved"] > 0 and res["casts"] > 0 and res["sharded"] > 0
+        # bf16 tolerance: the two runs round differently (autocast keeps some ops in fp32)
+        for got, want in zip(res["losses"], res["ref"]):
+            assert abs(got - want) <= 2e-2 * abs(want), (rank, res["losses"], res["ref"])
+        assert res["losses"][-1] < res["losses"][0]  # it trains
+
+
+def test_options_refuse_a_non_floating_param_dtype():
+    with pytest.raises(autopar.OptionsError, match="param_dtype"):
+        autopar.Options(param_dtype=torch.int8)
+    with pytest.raises(autopar.OptionsError, match="reduce_dtype"):
+        autopar.plan(models.build("mlp"), (torch.randn(4, 16),), mesh=(2,), reduce_dtype="float32")

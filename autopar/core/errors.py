@@ -12,6 +12,10 @@ class AutoparError(Exception):
     """Base class of every error autopar raises on purpose."""
 
 
+class OptionsError(AutoparError, ValueError):
+    """An Options field holds a value autopar cannot use (named with the fix)."""
+
+
 class MeshError(AutoparError, ValueError):
     """The mesh shape is malformed or does not match the process group."""
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
+from autopar.core.errors import OptionsError
+
 
 @dataclass(frozen=True)
 class Options:
@@ -56,3 +60,17 @@ class Options:
     compile: bool = False
     # keyword arguments for torch.compile (fullgraph=True is the default), e.g. {"mode": "max-autotune"}
     compile_options: Optional[dict] = None
+    # mixed precision, as FSDP2's MixedPrecisionPolicy: compute on copies of the floating
+    # parameters and inputs in this dtype (e.g. torch.bfloat16) while the optimiser updates
+    # the full-precision shards; outputs come back in the parameters' dtype. None: as is
+    param_dtype: Optional[torch.dtype] = None
+    # dtype gradient reductions run in (the data-parallel buckets and the backward of
+    # reshard steps); None: the gradient's own dtype
+    reduce_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        for field_name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field_name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise OptionsError(f"Options.{field_name}={dtype!r} is not a floating-point torch dtype; use "
+                                   "torch.bfloat16, torch.float16 or torch.float32 (or None)")

@@ -46,8 +46,9 @@ class _Bucket:
 
 class GradBuckets:
     def __init__(self, params: list[tuple[str, torch.nn.Parameter, tuple[int, ...]]],
-                 comms: tuple[AxisComm, ...]) -> None:
+                 comms: tuple[AxisComm, ...], reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.comms = comms
+        self.reduce_dtype = reduce_dtype  # the dtype buckets are reduced in (Options.reduce_dtype)
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[int, _Bucket] = {}  # id(param) -> its bucket (tied names are one tensor)
         self._layout([(p, axes) for _, p, axes in reversed(params)])
@@ -84,7 +85,7 @@ class GradBuckets:
             self.queued = True
             _compat.queue_backward_callback(self.finish)
         if bucket.flat is None:
-            bucket.flat = grad.new_zeros(bucket.numel)
+            bucket.flat = grad.new_zeros(bucket.numel, dtype=self.reduce_dtype or grad.dtype)
         offset = bucket.offsets[id(param)]
         bucket.flat[offset: offset + grad.numel()].copy_(grad.reshape(-1))
         bucket.arrived[id(param)] = param.grad is not None
@@ -115,8 +116,8 @@ class GradBuckets:
             if id(p) not in bucket.arrived:
                 continue
             offset = bucket.offsets[id(p)]
-            part = reduced[offset: offset + p.numel()].view_as(p)
+            part = reduced[offset: offset + p.numel()].view_as(p).to(p.grad.dtype)
             if bucket.arrived[id(p)]:  # .grad = earlier + own; the earlier part was reduced then
-                p.grad.add_(part - bucket.flat[offset: offset + p.numel()].view_as(p))
+                p.grad.add_(part - bucket.flat[offset: offset + p.numel()].view_as(p).to(p.grad.dtype))
             else:
                 p.grad.copy_(part)

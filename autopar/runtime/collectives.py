@@ -144,13 +144,18 @@ def backward_move(step: Step) -> Move:
     return Move(back, step.dim)
 
 
+def reduces(m: Move) -> bool:
+    """Sums gradients across ranks: what Options.reduce_dtype applies to."""
+    return m.kind in (StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER)
+
+
 class _Step(torch.autograd.Function):
     """A whole step, forward and backward: what runs under torch.compile and for the
     local steps (slice, to_partial, grad_sync) and P(max) reductions."""
 
     @staticmethod
-    def forward(ctx, x, step, comm):
-        ctx.step, ctx.comm = step, comm
+    def forward(ctx, x, step, comm, reduce_dtype):
+        ctx.step, ctx.comm, ctx.reduce_dtype = step, comm, reduce_dtype
         y = move(forward_move(step), x, comm)
         if step.kind is StepKind.ALL_REDUCE and step.reduce == "max":
             ctx.save_for_backward(x, y)
@@ -161,10 +166,13 @@ class _Step(torch.autograd.Function):
         step, comm = ctx.step, ctx.comm
         if step.kind is StepKind.ALL_REDUCE and step.reduce == "max":
             x, y = ctx.saved_tensors
-            return g * (x == y).to(g.dtype), None, None
+            return g * (x == y).to(g.dtype), None, None, None
         if step.kind is StepKind.ALL_REDUCE and step.reduce == "avg":
-            return g / comm.size, None, None
-        return move(backward_move(step), g, comm), None, None
+            return g / comm.size, None, None, None
+        m = backward_move(step)
+        if ctx.reduce_dtype is not None and reduces(m):
+            return move(m, g.to(ctx.reduce_dtype), comm).to(g.dtype), None, None, None
+        return move(m, g, comm), None, None, None
 
 
 @dataclass
@@ -174,11 +182,12 @@ class Started:
 
     tensor: Optional[torch.Tensor] = None
     grad: Optional[torch.Tensor] = None
+    grad_dtype: Optional[torch.dtype] = None  # the gradient's own dtype when reduced in another
 
 
 class _Start(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, step, comm, box):
+    def forward(ctx, x, step, comm, box, reduce_dtype):
         ctx.step, ctx.comm, ctx.box = step, comm, box
         return launch(forward_move(step), x, comm)
 
@@ -187,14 +196,17 @@ class _Start(torch.autograd.Function):
         g, ctx.box.grad = ctx.box.grad, None
         step = ctx.step
         if step.kind is StepKind.ALL_REDUCE:  # identity (avg: scaled by the wait's backward)
-            return g, None, None, None
-        return finish(backward_move(step), g, ctx.comm), None, None, None
+            return g, None, None, None, None
+        out = finish(backward_move(step), g, ctx.comm)
+        if ctx.box.grad_dtype is not None:
+            out = out.to(ctx.box.grad_dtype)
+        return out, None, None, None, None
 
 
 class _Wait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, started, step, comm, box):
-        ctx.step, ctx.comm, ctx.box = step, comm, box
+    def forward(ctx, started, step, comm, box, reduce_dtype):
+        ctx.step, ctx.comm, ctx.box, ctx.reduce_dtype = step, comm, box, reduce_dtype
         ctx.shape, ctx.dtype = started.shape, started.dtype
         return finish(forward_move(step), started, comm)
 
@@ -204,9 +216,12 @@ class _Wait(torch.autograd.Function):
         if step.kind is StepKind.ALL_REDUCE:
             ctx.box.grad = g / comm.size if step.reduce == "avg" else g
         else:
-            ctx.box.grad = launch(backward_move(step), g, comm)
+            m = backward_move(step)
+            if ctx.reduce_dtype is not None and reduces(m) and g.dtype != ctx.reduce_dtype:
+                ctx.box.grad_dtype, g = g.dtype, g.to(ctx.reduce_dtype)
+            ctx.box.grad = launch(m, g, comm)
         # the real gradient travels in the box; autograd gets a free stand-in of the right shape
-        return torch.zeros((), dtype=ctx.dtype, device=g.device).expand(ctx.shape), None, None, None
+        return torch.zeros((), dtype=ctx.dtype, device=g.device).expand(ctx.shape), None, None, None, None
 
 
 # ---- 3. what a rank program's steps are bound to ------------------------------------------
@@ -222,27 +237,30 @@ class ProcessGroupRunner:
     `overlap=False` runs each step whole in its start (its wait passes it on): the form
     torch.compile traces, leaving the ordering of collectives to the compiler."""
 
-    def __init__(self, comms: tuple[AxisComm, ...], overlap: bool = True) -> None:
+    def __init__(self, comms: tuple[AxisComm, ...], overlap: bool = True,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.comms = comms
         self.overlap = overlap
+        self.reduce_dtype = reduce_dtype  # dtype of backward reductions (Options.reduce_dtype)
 
     def start(self, step: Step, x: torch.Tensor, where: str) -> Any:
         comm = self.comms[step.axis]
+        rd = self.reduce_dtype
         if not self.overlap:  # plain enough for torch.compile to trace
-            return _Step.apply(x, step, comm)
+            return _Step.apply(x, step, comm, rd)
         with _naming(step, comm, where):
             if _splits(step) and comm.size > 1:
                 box = Started()
-                box.tensor = _Start.apply(x, step, comm, box)
+                box.tensor = _Start.apply(x, step, comm, box, rd)
                 return box
-            return _Step.apply(x, step, comm)
+            return _Step.apply(x, step, comm, rd)
 
     def wait(self, step: Step, started: Any, where: str) -> torch.Tensor:
         if not isinstance(started, Started):
             return started
         comm = self.comms[step.axis]
         with _naming(step, comm, where):
-            return _Wait.apply(started.tensor, step, comm, started)
+            return _Wait.apply(started.tensor, step, comm, started, self.reduce_dtype)
 
 
 class _naming:
@@ -263,5 +281,6 @@ class _naming:
         return False
 
 
-def step_runner(comms: tuple[AxisComm, ...], overlap: bool = True) -> ProcessGroupRunner:
-    return ProcessGroupRunner(comms, overlap)
+def step_runner(comms: tuple[AxisComm, ...], overlap: bool = True,
+                reduce_dtype: Optional[torch.dtype] = None) -> ProcessGroupRunner:
+    return ProcessGroupRunner(comms, overlap, reduce_dtype)

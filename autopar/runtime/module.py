@@ -143,7 +143,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     def _compile(self, args: tuple, kwargs: dict) -> Compiled:
         traced, problem = None, None
         try:
-            traced = trace_for_planning(self.source_model, args, kwargs)
+            traced = trace_for_planning(self.source_model, args, kwargs, self.options.param_dtype)
         except Exception as e:  # noqa: BLE001 - raised on every rank by agreed_plan
             problem = e
         profile = self._profile() if self._given is None and problem is None else None
@@ -151,14 +151,16 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         opts = self.options
         program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True,
                        inflight_cap_bytes=opts.max_inflight_bytes if opts.overlap else None)
-        bind(program.gm, step_runner(self.comms, overlap=opts.overlap and not opts.compile))
+        bind(program.gm, step_runner(self.comms, overlap=opts.overlap and not opts.compile,
+                                     reduce_dtype=opts.reduce_dtype))
         if self._pinned is None:
             self.state_specs = fill_shards(self.source_model, self.state_tensors, traced, plan, self.coords,
                                            self.on_meta)
             self._pinned = pinned_layouts(self.state_specs)
         deferred = program.gm.meta.get("autopar.deferred_grad_syncs", ())
         targets = {gi.name: gi.target for gi in traced.inputs}
-        buckets = GradBuckets([(targets[n], self.state_tensors[targets[n]], axes) for n, axes in deferred], self.comms)
+        buckets = GradBuckets([(targets[n], self.state_tensors[targets[n]], axes) for n, axes in deferred], self.comms,
+                              opts.reduce_dtype)
         run = compiled_program(program.gm, self.device, opts.compile_options) if opts.compile else program.gm
         return Compiled(traced, plan, program, buckets, run)
 
