@@ -170,3 +170,48 @@ def test_options_refuse_a_non_floating_param_dtype():
         autopar.Options(param_dtype=torch.int8)
     with pytest.raises(autopar.OptionsError, match="reduce_dtype"):
         autopar.plan(models.build("mlp"), (torch.randn(4, 16),), mesh=(2,), reduce_dtype="float32")
+
+
+def compiled_training(rank: int, world: int, model: str) -> dict:
+    """Options.compile: the rank program under torch.compile(fullgraph=True), collectives
+    in the graph; outputs and gradients against one device, two steps (the second reuses it)."""
+    from tests.cases import CHEAP_COMM
+    from autopar.core.placement import local_chunk
+    m = models.build(model).train()
+    ref = models.build(model).train()
+    ref.load_state_dict(m.state_dict())
+    args, kwargs = models.inputs(model, batch=4)
+    pm = autopar.compile(m, args, kwargs, mesh=(world,), device=CHEAP_COMM, compile=True)
+    got = pm(*args, **kwargs)
+    got_loss = got.loss if hasattr(got, "loss") else (got ** 2).mean()
+    got_loss.backward()
+    want = ref(*args, **kwargs)
+    want_loss = want.loss if hasattr(want, "loss") else (want ** 2).mean()
+    want_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    grads = {k: (pm.state_tensors[k].grad, local_chunk(ref_params[k].grad, s, pm.mesh.shape, pm.coords))
+             for k, s in pm.state_specs.items() if k in ref_params and ref_params[k].grad is not None}
+    again = pm(*args, **kwargs)
+    return {"loss": (got_loss.detach(), want_loss.detach()), "grads": grads, "collectives": len(pm.plan.collectives()),
+            "compiled": type(pm.current.run).__name__, "again": (again.loss if hasattr(again, "loss") else again).detach()}
+
+
+@pytest.mark.slow
+def test_compiled_rank_programs_match_one_device():
+    results = run_ranks(2, [(compiled_training, dict(model="mlp")), (compiled_training, dict(model="gpt2"))])
+    for rank, cases in enumerate(results):
+        for res in cases:
+            assert res["compiled"] == "_FirstCallFallback" and res["collectives"] > 0
+            torch.testing.assert_close(*res["loss"])
+            assert res["grads"]
+            for name, (got, want) in res["grads"].items():
+                torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} grad {name}: {m}")
+
+
+def test_compile_without_a_cxx_compiler_runs_eagerly_with_one_warning(monkeypatch):
+    from autopar.runtime import compiling
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
+    gm = torch.fx.symbolic_trace(models.build("mlp"))
+    with pytest.warns(compiling.CompileFallbackWarning, match="no C.. compiler"):
+        run = compiling.compiled_program(gm, torch.device("cpu"))
+    assert run is gm
