@@ -14,6 +14,11 @@ from autopar.core.placement import Spec
 from autopar.core.resharding import Step
 
 
+def strategy_label(inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> str:
+    """"(S(0)R,RR) -> S(0)R": input placements, then output placements."""
+    return f"({','.join(str(s) for s in inputs)}) -> {','.join(str(s) for s in outputs)}"
+
+
 @dataclass(frozen=True)
 class Alternative:
     """One strategy the solver could have picked for a node, priced with every other
@@ -31,9 +36,7 @@ class Alternative:
         return self.compute_s + self.reshard_in_s + self.reshard_out_s
 
     def label(self) -> str:
-        ins = ",".join(str(s) for s in self.inputs)
-        outs = ",".join(str(s) for s in self.outputs)
-        return f"({ins}) -> {outs}"
+        return strategy_label(self.inputs, self.outputs)
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,7 @@ class NodeChoice:
     kind: NodeKind = NodeKind.OP  # graph input (which kind), getitem, output, or an op
 
     def __str__(self) -> str:
-        ins = ",".join(str(s) for s in self.inputs)
-        outs = ",".join(str(s) for s in self.outputs)
-        return f"{self.name}: ({ins}) -> {outs}"
+        return f"{self.name}: {strategy_label(self.inputs, self.outputs)}"
 
 
 @dataclass(frozen=True)
