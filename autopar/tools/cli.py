@@ -1,10 +1,11 @@
-"""Command line: plan, show, diff, code, coverage.
+"""Command line: plan, show, diff, code, coverage, sweep.
 
     python -m autopar plan gpt2-tiny --mesh 2,4 --out plan.json
     python -m autopar show plan.json
     python -m autopar diff a.json b.json
     python -m autopar code gpt2-tiny --mesh 2,4 --rank 3 [--plan plan.json]
     python -m autopar coverage [models...] [--mesh 2,4] [--training]
+    python -m autopar sweep [--task causal-lm] [--training] [--only llama,gpt2] [--json out.json]
 
 Exit codes: 0 done, 1 autopar refused (message on stderr), 2 bad command line.
 """
@@ -57,7 +58,39 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="cpu", help="cost-model preset: cpu, a100, h100, h200")
     sp.add_argument("--training", action="store_true", help="plan training steps")
     sp.add_argument("--ops", action="store_true", help="also list the ops hand-written rules covered")
+    _sweep_parser(sub)
     return p
+
+
+def _sweep_parser(sub) -> None:
+    from autopar.tools.sweep_configs import Task
+    sp = sub.add_parser("sweep", help="every transformers architecture of a task, tiny, through every stage")
+    sp.add_argument("--task", default="causal-lm", choices=[t.value for t in Task])
+    sp.add_argument("--mesh", type=_mesh, default=(2, 4), help="mesh shape (default 2,4)")
+    sp.add_argument("--training", action="store_true", help="plan training; compare gradients too")
+    sp.add_argument("--ranks", action="store_true", help="also run each plan on real gloo ranks")
+    sp.add_argument("--only", type=lambda s: s.split(","), help="comma-separated model types")
+    sp.add_argument("--limit-s", type=float, default=120.0, help="seconds per architecture (default 120)")
+    sp.add_argument("--until", default="ranks", help="last stage: config, single-device, export, plan, simulate")
+    sp.add_argument("--device", default="cheap-comm", help="cost-model preset (default: near-free communication)")
+    sp.add_argument("--jobs", type=int, default=1, help="architectures at once (default 1)")
+    sp.add_argument("--json", help="write the results here (JSON, for CI trends)")
+
+
+def _sweep(args) -> int:
+    from autopar.core.files import write_json_atomic
+    from autopar.tools.sweep import CHEAP_COMM, Stage, SweepOptions, summary, sweep, to_json
+    from autopar.tools.sweep_configs import Task
+    options = SweepOptions(Task(args.task), args.mesh, args.training, args.ranks, args.limit_s,
+                           device=CHEAP_COMM if args.device == "cheap-comm" else args.device,
+                           until=Stage(args.until), jobs=args.jobs)
+    results = sweep(options, args.only, progress=lambda line: print(line, flush=True))
+    print()
+    print(summary(results, options))
+    if args.json:
+        write_json_atomic(args.json, to_json(results, options))
+        print(f"wrote {args.json}")
+    return 1 if any(r.against_autopar for r in results) else 0
 
 
 def _plan(args):
@@ -100,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = coverage(names, args.mesh, Options(device=args.device, training=args.training))
             print(report(rows, args.mesh, hand_ops=args.ops))
             return 1 if any(r.error for r in rows) else 0
+        elif args.command == "sweep":
+            return _sweep(args)
     except (AutoparError, ValueError, ImportError) as e:
         print(f"autopar: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,468 @@
+"""The sweep: every architecture of a transformers task, tiny and random, through every
+stage of autopar; one line per architecture, a summary table and JSON for CI trends.
+
+    python -m autopar sweep [--task causal-lm] [--training] [--mesh 2,4] [--only a,b] [--ranks]
+                            [--limit-s 120] [--json out.json]
+
+Stages, in order; an architecture stops at the first that fails:
+
+    config         the default config shrunk (tools/sweep_configs.py), the model built   } not autopar's
+    single-device  forward (and backward with --training) on one device                  } failures
+    export         torch.export, through autopar's trace: a TraceError quotes the exporter (counted apart)
+    trace          autopar's own tracing steps after the export (functionalisation, signature checks)
+    plan           strategies, costs and the ILP on the mesh (near-free communication, so it shards)
+    simulate       every rank's program in the in-process mesh simulator against one device:
+                   outputs and, with --training, every local parameter gradient (fp32 defaults
+                   of torch.testing.assert_close)
+    ranks          (--ranks) the plan on real gloo ranks, autopar.verify
+
+1. Each architecture runs in its own forked worker under a wall-clock limit (a hang or a
+   crash is a row of the report, never the end of the sweep); the worker reports each
+   stage as it starts, so a timeout names the stage it was in.
+2. The worker times every stage and sends back one SweepResult.
+3. The parent prints a line per architecture as it finishes, then summary() and to_json().
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import os
+import signal
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Callable, Optional
+
+import torch
+
+from autopar import _compat
+from autopar.core.errors import TraceError
+from autopar.core.kinds import NodeKind
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.placement import local_chunk
+from autopar.cost_models.devices import DeviceSpec, Link
+from autopar.passes.planning import plan_traced
+from autopar.passes.simulate_mesh import simulate
+from autopar.passes.trace import flatten_inputs, trace
+from autopar.tools.sweep_configs import Task, architectures, example_inputs, tiny_config
+
+# nearly free communication and dear compute: the solver shards all its rules allow, so
+# the simulator checks sharded programs (the tests' CHEAP_COMM)
+CHEAP_COMM = DeviceSpec("cheap-comm", {torch.float32: 1e9}, mem_bw_bytes_per_s=1e9, op_overhead_s=0.0,
+                        intra_link=Link(1e-9, 1e-15), inter_link=Link(1e-9, 1e-15), achievable=1.0)
+MAX_PARAMS = 20_000_000  # a shrunk model bigger than this did not shrink
+
+
+class Stage(Enum):
+    CONFIG = "config"
+    SINGLE_DEVICE = "single-device"
+    EXPORT = "export"  # torch.export refused the model (autopar's TraceError quotes why)
+    TRACE = "trace"  # autopar's own steps after torch.export (functionalisation, signature checks)
+    PLAN = "plan"
+    SIMULATE = "simulate"
+    RANKS = "ranks"
+
+
+NOT_AUTOPARS = (Stage.CONFIG, Stage.SINGLE_DEVICE)  # failures there are the model's or the shrink's
+
+
+class Outcome(Enum):
+    PASS = "pass"
+    ERROR = "error"  # an exception
+    MISMATCH = "mismatch"  # ran, but differs from one device
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    task: Task = Task.CAUSAL_LM
+    mesh: tuple[int, ...] = (2, 4)
+    # training: the plan counts backward, the simulator compares every parameter gradient
+    training: bool = False
+    # also run the plan on prod(mesh) gloo ranks (autopar.verify)
+    ranks: bool = False
+    # wall-clock seconds per architecture, all stages together
+    limit_s: float = 120.0
+    batch: int = 4
+    seq: int = 8
+    # cost-model device for planning: CHEAP_COMM, or a preset name ("cpu", "h100", ...)
+    device: "str | DeviceSpec" = CHEAP_COMM
+    # the last stage to run (e.g. Stage.SINGLE_DEVICE to check the shrunk configs only)
+    until: Stage = Stage.RANKS
+    # workers running at once
+    jobs: int = 1
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    arch: str  # transformers model_type
+    model_class: str
+    outcome: Outcome
+    stage: Optional[Stage]  # where it stopped; None when it passed every stage it ran
+    cause: str = ""  # first line(s) of the error or mismatch
+    times_s: dict[str, float] = field(default_factory=dict)  # stage value -> seconds
+    params: int = 0
+    sharded_params: int = 0  # parameters the plan stores split on some mesh axis
+
+    @property
+    def category(self) -> str:
+        """pass, config, single-device, export, plan, simulate-mismatch, simulate-error,
+        ranks-mismatch, ranks-error, or timeout."""
+        if self.outcome in (Outcome.PASS, Outcome.TIMEOUT) or self.stage is None:
+            return self.outcome.value
+        if self.stage in (Stage.SIMULATE, Stage.RANKS):
+            return f"{self.stage.value}-{self.outcome.value}"
+        return self.stage.value
+
+    @property
+    def against_autopar(self) -> bool:
+        """A failure of autopar's own stages (export failures are counted apart)."""
+        return self.outcome is not Outcome.PASS and self.stage not in NOT_AUTOPARS + (Stage.EXPORT,)
+
+    def line(self) -> str:
+        times = " ".join(f"{k} {v:.1f}s" for k, v in self.times_s.items())
+        where = f" in {self.stage.value}" if self.outcome is Outcome.TIMEOUT and self.stage else ""
+        cause = f"  {self.cause.splitlines()[0][:160]}" if self.cause else ""
+        return f"{self.arch:<26} {self.category + where:<24} {times}{cause}"
+
+
+class _Stopped(Exception):
+    def __init__(self, stage: Stage, outcome: Outcome, cause: str) -> None:
+        super().__init__(cause)
+        self.stage, self.outcome, self.cause = stage, outcome, cause
+
+
+def _cause(e: BaseException, lines: int = 3) -> str:
+    text = "\n".join(str(e).strip().splitlines()[:lines])
+    return f"{type(e).__name__}: {text}"[:600]
+
+
+def check_architecture(arch: str, model_class: str, options: SweepOptions,
+                       on_stage: Callable[[Stage], None] = lambda s: None) -> SweepResult:
+    """Run one architecture through the stages in this process (the sweep calls it in a
+    forked worker; tests may call it directly)."""
+    times: dict[str, float] = {}
+    facts = {"params": 0, "sharded_params": 0}
+    order = list(Stage)
+
+    def reached(s: Stage) -> bool:  # options.until cuts the run short
+        return order.index(s) <= order.index(options.until)
+
+    def stage(s: Stage, fn: Callable[[], Any]) -> Any:
+        on_stage(s)
+        start = time.perf_counter()
+        try:
+            return fn()
+        except _Stopped:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure is a row of the report
+            where = Stage.TRACE if s is Stage.EXPORT and not isinstance(e, TraceError) else s
+            raise _Stopped(where, Outcome.ERROR, _cause(e)) from e
+        finally:
+            times[s.value] = round(time.perf_counter() - start, 3)
+
+    try:
+        model, kwargs = stage(Stage.CONFIG, lambda: _build(arch, model_class, options))
+        facts["params"] = sum(p.numel() for p in model.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if reached(Stage.SINGLE_DEVICE):
+                ref = stage(Stage.SINGLE_DEVICE, lambda: _reference(model, kwargs, options.training))
+            if reached(Stage.EXPORT):
+                traced = stage(Stage.EXPORT, lambda: trace(model, (), kwargs))
+            if reached(Stage.PLAN):
+                opts = Options(device=options.device, training=options.training)
+                plan = stage(Stage.PLAN, lambda: plan_traced(traced, Mesh.of(options.mesh), opts)[1])
+                facts["sharded_params"] = sum(1 for n in plan.nodes if n.kind is NodeKind.PARAMETER
+                                              and not n.outputs[0].is_replicated())
+            if reached(Stage.SIMULATE):
+                stage(Stage.SIMULATE, lambda: _simulate_and_compare(model, kwargs, traced, plan, ref))
+            if options.ranks and reached(Stage.RANKS):
+                stage(Stage.RANKS, lambda: _on_ranks(arch, model_class, plan, options))
+    except _Stopped as s:
+        return SweepResult(arch, model_class, s.outcome, s.stage, s.cause, times, **facts)
+    return SweepResult(arch, model_class, Outcome.PASS, None, "", times, **facts)
+
+
+def _build(arch: str, model_class: str, options: SweepOptions) -> tuple[torch.nn.Module, dict]:
+    import transformers
+    cls = getattr(transformers, model_class)
+    config = tiny_config(arch, getattr(cls, "config_class", None), model_class)
+    torch.manual_seed(0)
+    model = cls(config)
+    n = sum(p.numel() for p in model.parameters())
+    if n > MAX_PARAMS:
+        biggest = max(model.named_parameters(), key=lambda kv: kv[1].numel())
+        raise ValueError(f"did not shrink: {n / 1e6:.1f}M parameters, the largest {biggest[0]} "
+                         f"{tuple(biggest[1].shape)}; add the field to sweep_configs.SHRINK or FAMILY_OVERRIDES")
+    model.train(options.training)
+    return model, example_inputs(options.task, config, model_class, options.batch, options.seq)
+
+
+@dataclass(frozen=True)
+class _Reference:
+    outputs: list[torch.Tensor]
+    grads: dict[str, Optional[torch.Tensor]]
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The model's own loss where it returns one, else the mean square of its first output."""
+    if isinstance(out, torch.Tensor):
+        return (out.float() ** 2).mean()
+    loss = getattr(out, "loss", None)
+    return loss if loss is not None else (out[0].float() ** 2).mean()
+
+
+def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    return [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+def _reference(model: torch.nn.Module, kwargs: dict, training: bool) -> _Reference:
+    """The single-device run, on a copy (the simulator reads `model`'s own tensors)."""
+    ref = copy.deepcopy(model)
+    with torch.set_grad_enabled(training):
+        out = ref(**kwargs)
+        if training:
+            loss_of(out).backward()
+    grads = {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False)} if training else {}
+    return _Reference([t.detach() for t in _tensor_leaves(out)], grads)
+
+
+def _simulate_and_compare(model: torch.nn.Module, kwargs: dict, traced, plan, ref: _Reference) -> None:
+    """Every simulated rank's outputs (and local gradient blocks) against the reference."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    with torch.set_grad_enabled(traced.training):
+        outs, leaves = simulate(traced, plan, state, flatten_inputs((), kwargs)[0])
+        if traced.training:  # each rank differentiates its own (replicated) loss, as on real ranks
+            torch.autograd.backward([loss_of(_compat.tree_unflatten(o, traced.out_spec)) for o in outs])
+    try:
+        _compare(outs, leaves, traced, plan, ref)
+    except AssertionError as e:
+        raise _Stopped(Stage.SIMULATE, Outcome.MISMATCH, _cause(e, 4)) from None
+
+
+def _compare(outs: list, leaves: list, traced, plan, ref: _Reference) -> None:
+    for r, got in enumerate(outs):
+        assert len(got) == len(ref.outputs) > 0, f"rank {r}: {len(got)} outputs, expected {len(ref.outputs)}"
+        for i, (g, w) in enumerate(zip(got, ref.outputs)):
+            torch.testing.assert_close(g.detach(), w, msg=lambda m: f"rank {r} output {i}: {m}")
+    if not traced.training:
+        return
+    used = {e.producer for e in plan.edges}
+    params = [gi for gi in traced.inputs if gi.kind == NodeKind.PARAMETER and gi.name in used]
+    for r in range(plan.mesh.size):
+        coords = plan.mesh.coords(r)
+        for gi in params:
+            spec = plan.node(gi.name).outputs[0]
+            got, full = leaves[r][gi.target].grad, ref.grads.get(gi.target)
+            if full is None:
+                assert got is None or not got.any(), f"rank {r}: {gi.target} has a gradient it should not"
+                continue
+            assert got is not None, f"rank {r}: {gi.target} ({spec}) got no gradient"
+            torch.testing.assert_close(got, local_chunk(full, spec, plan.mesh.shape, coords),
+                                       msg=lambda m: f"rank {r} grad of {gi.target} ({spec}): {m}")
+
+
+# ---- real gloo ranks (--ranks) -------------------------------------------------------
+
+def _on_ranks(arch: str, model_class: str, plan, options: SweepOptions) -> None:
+    """The plan on prod(mesh) spawned gloo ranks; each rebuilds the same tiny model (same
+    seed) and runs autopar.verify against its own single-device copy."""
+    import torch.multiprocessing as mp
+    world = plan.mesh.size
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        plan.to_json(plan_path)
+        ctx = mp.start_processes(_rank_main, args=(world, tmp, arch, model_class, plan_path, options),
+                                 nprocs=world, join=False, start_method="spawn")
+        while not ctx.join(timeout=5):
+            pass
+        reports = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(world)]
+    bad = [(r, text) for r, text in enumerate(reports) if not text.startswith("OK")]
+    if bad:
+        r, text = bad[0]
+        outcome = Outcome.MISMATCH if text.startswith("MISMATCH") else Outcome.ERROR
+        raise _Stopped(Stage.RANKS, outcome, f"rank {r}: {text[:600]}")
+
+
+def _rank_main(rank: int, world: int, tmp: str, arch: str, model_class: str, plan_path: str,
+               options: SweepOptions) -> None:
+    import torch.distributed as dist
+    from autopar.tools.verify import verify
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    text = "ERROR"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        model, kwargs = _build(arch, model_class, options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = verify(model, (), kwargs, mesh=options.mesh, plan=plan_path)
+        text = f"{'OK' if report.ok else 'MISMATCH'} {report}"
+    except Exception:  # noqa: BLE001 - reported to the sweep
+        text = f"ERROR {traceback.format_exc()[-600:]}"
+    finally:
+        with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+            f.write(text)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- the sweep: one forked worker per architecture -----------------------------------
+
+def _worker(arch: str, model_class: str, options: SweepOptions, conn: Any) -> None:
+    os.setpgid(0, 0)  # its own process group: a timeout ends the worker and the ranks it spawned
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    try:
+        result = check_architecture(arch, model_class, options, on_stage=lambda s: conn.send(("stage", s)))
+    except BaseException as e:  # noqa: BLE001 - the sweep's own bug still returns a row
+        result = SweepResult(arch, model_class, Outcome.ERROR, None, f"sweep: {_cause(e)}")
+    conn.send(("done", result))
+    conn.close()
+
+
+@dataclass
+class _Running:
+    arch: str
+    model_class: str
+    proc: Any
+    conn: Any
+    start: float
+    stage: Optional[Stage] = None
+
+
+def _kill(job: _Running) -> None:
+    try:
+        os.killpg(job.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        job.proc.kill()
+    job.proc.join()
+
+
+def _poll(job: _Running, limit_s: float) -> Optional[SweepResult]:
+    """The worker's result when it has finished (or run out of time), else None."""
+    try:
+        while job.conn.poll():
+            kind, value = job.conn.recv()
+            if kind == "stage":
+                job.stage = value
+            else:
+                job.proc.join()
+                return value
+    except (EOFError, OSError):  # the worker died without a result (a crash in native code)
+        job.proc.join()
+        return SweepResult(job.arch, job.model_class, Outcome.ERROR, job.stage,
+                           f"worker exited with code {job.proc.exitcode}")
+    if time.monotonic() - job.start > limit_s:
+        _kill(job)
+        return SweepResult(job.arch, job.model_class, Outcome.TIMEOUT, job.stage, f"over {limit_s:g} s")
+    return None
+
+
+def sweep(options: SweepOptions, only: Optional[list[str]] = None,
+          progress: Callable[[str], None] = print) -> list[SweepResult]:
+    """Every architecture of options.task (or `only` those), each in a forked worker."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers.modeling_utils  # noqa: F401 - loaded once here, inherited by every worker
+    archs = architectures(options.task)
+    if only:
+        missing = [a for a in only if a not in archs]
+        if missing:
+            raise ValueError(f"not {options.task.value} architectures: {missing}")
+        archs = {a: archs[a] for a in only}
+    todo = list(archs.items())
+    ctx = multiprocessing.get_context("fork")
+    running: list[_Running] = []
+    results: list[SweepResult] = []
+    try:
+        while todo or running:
+            while todo and len(running) < options.jobs:
+                arch, cls = todo.pop(0)
+                parent, child = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, args=(arch, cls, options, child))
+                proc.start()
+                try:
+                    os.setpgid(proc.pid, proc.pid)  # also here: whichever side runs first
+                except (PermissionError, ProcessLookupError):
+                    pass  # the worker already did (and exec'd nothing) or has ended
+                child.close()
+                running.append(_Running(arch, cls, proc, parent, time.monotonic()))
+            for job in list(running):
+                result = _poll(job, options.limit_s)
+                if result is not None:
+                    running.remove(job)
+                    results.append(result)
+                    progress(f"[{len(results):3d}/{len(archs)}] {result.line()}")
+            time.sleep(0.05)
+    finally:  # interrupted: end every worker still running (and its ranks)
+        for job in running:
+            _kill(job)
+    order = list(archs)
+    return sorted(results, key=lambda r: order.index(r.arch))
+
+
+# ---- the report ----------------------------------------------------------------------
+
+CATEGORIES = ("pass", "config", "single-device", "export", "trace", "plan", "simulate-mismatch", "simulate-error",
+              "ranks-mismatch", "ranks-error", "timeout", "error")
+
+
+def stage_times(results: list[SweepResult]) -> dict[str, tuple[float, float, str]]:
+    """stage -> (median s, max s, the slowest architecture), over the runs that finished it."""
+    out = {}
+    for s in Stage:
+        done = [(r.times_s[s.value], r.arch) for r in results
+                if s.value in r.times_s and not (r.stage is s and r.outcome is not Outcome.PASS)]
+        if done:
+            worst = max(done)
+            out[s.value] = (statistics.median(t for t, _ in done), worst[0], worst[1])
+    return out
+
+
+def summary(results: list[SweepResult], options: SweepOptions) -> str:
+    counts = {c: sum(r.category == c for r in results) for c in CATEGORIES}
+    mode = "training" if options.training else "inference"
+    lines = [f"sweep {options.task.value} on mesh {options.mesh}, {mode}: {len(results)} architectures", "",
+             f"{'stage reached / stopped at':<28} {'count':>5}"]
+    lines += [f"  {c:<26} {n:5d}" for c, n in counts.items() if n]
+    mine = [r for r in results if r.against_autopar]
+    theirs = sum(r.stage in NOT_AUTOPARS for r in results if r.outcome is not Outcome.PASS)
+    exported = [r for r in results if r.outcome is Outcome.PASS or r.against_autopar]
+    lines += ["", f"not autopar's (config, single-device): {theirs}; torch.export failures: {counts['export']}"]
+    if any(Stage.EXPORT.value in r.times_s for r in results):
+        lines.append(f"autopar: {counts['pass']} of {len(exported)} exported architectures pass")
+    lines += ["", f"{'stage':<16} {'median s':>9} {'max s':>8}  slowest"]
+    for s, (med, worst, arch) in stage_times(results).items():
+        lines.append(f"  {s:<14} {med:9.2f} {worst:8.2f}  {arch}")
+    if mine:
+        lines += ["", "failures counted against autopar:"]
+        lines += [f"  {r.arch:<24} {r.category:<18} {r.cause.splitlines()[0][:200] if r.cause else ''}"
+                  for r in mine]
+    passed_unsharded = [r.arch for r in results if r.outcome is Outcome.PASS and "plan" in r.times_s
+                        and not r.sharded_params]
+    if passed_unsharded:
+        lines += ["", f"passed with no parameter sharded: {', '.join(passed_unsharded)}"]
+    return "\n".join(lines)
+
+
+def to_json(results: list[SweepResult], options: SweepOptions) -> dict:
+    import transformers
+    opts = {**asdict(options), "task": options.task.value, "until": options.until.value,
+            "device": options.device if isinstance(options.device, str) else options.device.name}
+    rows = [{**asdict(r), "outcome": r.outcome.value, "stage": r.stage.value if r.stage else None,
+             "category": r.category} for r in results]
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "options": opts,
+            "counts": {c: sum(r.category == c for r in results) for c in CATEGORIES},
+            "stage_times_s": {s: {"median": m, "max": x, "slowest": a} for s, (m, x, a) in
+                              stage_times(results).items()},
+            "results": rows}
