@@ -24,6 +24,7 @@ from torch import fx, nn
 from autopar import _compat
 from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.placement import block_index
+from autopar.core.resharding import Step
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan
 from autopar.passes.local_ops import embedding_block
@@ -56,32 +57,8 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
     root = nn.Module()
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
-    cache: dict[tuple, fx.Node] = {}
-    counter = [0]
     deferred = deferred_grad_syncs(traced, plan) if defer_grad_sync else {}
-
-    def resharded(edge: EdgePlan) -> fx.Node:
-        value = env[edge.producer]
-        key: tuple = (edge.producer,)
-        for step in edge.steps:
-            if edge.producer in deferred:  # synced after backward, bucketed, by the runtime
-                continue
-            key = key + (step,)
-            if key not in cache:
-                name = f"ap_{step.kind}_{counter[0]}"
-                counter[0] += 1
-                where = f"{edge.producer} -> {edge.consumer}"
-                root.add_module(name, StepModule(step, where))
-                started = graph.call_module(name, (value,))
-                started.meta["autopar.step"] = step
-                if step.kind.communicates:  # 2. a start and a wait, apart (passes/schedule.py)
-                    root.add_module(f"{name}_wait", WaitModule(step, where))
-                    started = graph.call_module(f"{name}_wait", (started,))
-                    started.meta["autopar.step"] = step
-                cache[key] = started
-            value = cache[key]
-        return value
-
+    resharded = _Resharder(root, graph, env, deferred)
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":
             env[node.name] = graph.placeholder(node.name)
@@ -107,6 +84,39 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
     gm = fx.GraphModule(root, graph, class_name="RankProgram")
     gm.meta["autopar.deferred_grad_syncs"] = tuple(sorted(deferred.items()))
     return gm
+
+
+class _Resharder:
+    """Step 2: an edge's value after its reshard steps, each step emitted once per
+    (producer, steps so far) and shared by every consumer that needs the same result."""
+
+    def __init__(self, root: nn.Module, graph: fx.Graph, env: dict[str, fx.Node],
+                 deferred: dict[str, tuple[int, ...]]) -> None:
+        self.root, self.graph, self.env, self.deferred = root, graph, env, deferred
+        self.cache: dict[tuple, fx.Node] = {}
+
+    def __call__(self, edge: EdgePlan) -> fx.Node:
+        value = self.env[edge.producer]
+        if edge.producer in self.deferred:  # synced after backward, bucketed, by the runtime
+            return value
+        key: tuple = (edge.producer,)
+        for step in edge.steps:
+            key = key + (step,)
+            if key not in self.cache:
+                self.cache[key] = self._emit(step, value, f"{edge.producer} -> {edge.consumer}")
+            value = self.cache[key]
+        return value
+
+    def _emit(self, step: Step, value: fx.Node, where: str) -> fx.Node:
+        name = f"ap_{step.kind}_{len(self.cache)}"
+        self.root.add_module(name, StepModule(step, where))
+        out = self.graph.call_module(name, (value,))
+        out.meta["autopar.step"] = step
+        if step.kind.communicates:  # a start and a wait, apart (passes/schedule.py)
+            self.root.add_module(f"{name}_wait", WaitModule(step, where))
+            out = self.graph.call_module(f"{name}_wait", (out,))
+            out.meta["autopar.step"] = step
+        return out
 
 
 def deferred_grad_syncs(traced: TracedGraph, plan: Plan) -> dict[str, tuple[int, ...]]:

@@ -57,6 +57,25 @@ def verify_gpt2(rank: int, world: int) -> dict:
     return {"ok": report.ok, "outputs": len(report.outputs), "text": str(report), "use_cache": m.config.use_cache}
 
 
+def compile_release_compile(rank: int, world: int, rounds: int = 4) -> dict:
+    """Model after model in one process: each ParallelModule and its model are freed
+    once dropped (no hook or cache keeps them), and process groups are made once."""
+    import gc
+    import weakref
+    from autopar.runtime import groups
+    freed = []
+    for _ in range(rounds):
+        m = models.build("mlp")
+        x = torch.randn(8, 16)
+        pm = autopar.compile(m, (x,), mesh=(world,))
+        (pm(x) ** 2).mean().backward()
+        refs = (weakref.ref(pm), weakref.ref(m))
+        del pm, m
+        gc.collect()
+        freed.append(all(r() is None for r in refs))
+    return {"freed": freed, "group_sets": len(groups._CACHE)}
+
+
 # ---- tests ---------------------------------------------------------------------------
 
 def test_an_error_while_rank0_plans_is_raised_as_itself_on_every_rank():
@@ -74,6 +93,13 @@ def test_eager_compile_has_its_plan_at_once_and_groups_are_made_once_per_mesh():
     for (res,) in results:
         assert res["has_code"] and res["same_groups"]
         torch.testing.assert_close(res["out"], res["want"])
+
+
+def test_compiled_modules_are_freed_and_process_groups_reused():
+    results = run_ranks(2, [(compile_release_compile, {})])
+    for (res,) in results:
+        assert res["freed"] == [True] * 4
+        assert res["group_sets"] == 1
 
 
 def test_a_plan_for_another_graph_is_one_error_type():
