@@ -62,6 +62,7 @@ def test_different_blocks_do_not_share():
     assert plan.solver.shared_blocks == 0
 
 
+@pytest.mark.slow
 def test_llama3_8b_shape_plans_without_weights():
     # 32 layers, hidden 4096, 32 heads / 8 KV heads, vocab 128256 on (2, 4), in a fresh
     # process so its peak memory is its own: fp32 weights alone would be 32 GB
@@ -84,6 +85,7 @@ def test_llama3_8b_shape_plans_without_weights():
     assert res["rss_kib"] < 3 * 2**20, f"peak RSS {res['rss_kib'] / 2**20:.1f} GiB: weights were allocated?"
 
 
+@pytest.mark.slow
 def test_evaluate_prices_every_plan_as_the_solver_does():
     mesh = (2, 4)
     model, args, kwargs = build("gpt2-tiny", training=True, batch=8)

@@ -78,7 +78,7 @@ def test_same_inputs_give_the_same_plan():
     assert [str(c) for c in a.collectives()] == [str(c) for c in b.collectives()]
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2", pytest.param("llama", marks=pytest.mark.slow), "bert"])
 def test_ilp_objective_equals_the_plans_recomputed_cost(name):
     # the ILP's modelled objective (groups, spec classes, followers) must price exactly
     # what the plan then runs
@@ -123,7 +123,7 @@ def test_training_plan_counts_backward():
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
-@pytest.mark.parametrize("mesh", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("mesh", [(1, 4), pytest.param((2, 2), marks=pytest.mark.slow)])
 def test_solver_never_costs_more_than_hand_plans(name, mesh):
     from autopar.passes.hand_plans import hand_plan
     model = models.build(name)
