@@ -179,10 +179,9 @@ def mixed_precision_training(rank: int, world: int, model: str, mesh: tuple, ste
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
-def test_mixed_precision_tracks_autocast_and_updates_fp32_masters(model):
-    results = run_ranks(4, [(mixed_precision_training, dict(model=model, mesh=(2, 2)))])
-    for rank, (res,) in enumerate(results):
+def test_mixed_precision_tracks_autocast_and_updates_fp32_masters():
+    results = run_ranks(4, [(mixed_precision_training, dict(model=model, mesh=(2, 2))) for model in ("gpt2", "llama")])
+    for rank, res in ((r, res) for r, cases in enumerate(results) for res in cases):
         assert res["masters"] == {"torch.float32"} and res["out_dtypes"] == {"torch.float32"}
         assert res["moved"] > 0 and res["casts"] > 0 and res["sharded"] > 0
         # bf16 tolerance: the two runs round differently (autocast keeps some ops in fp32)
