@@ -39,6 +39,8 @@ from enum import Enum
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from autopar import _compat
 from autopar.core.errors import TraceError
@@ -51,6 +53,7 @@ from autopar.passes.planning import plan_traced
 from autopar.passes.simulate_mesh import simulate
 from autopar.passes.trace import flatten_inputs, trace
 from autopar.tools.sweep_configs import Task, architectures, example_inputs, tiny_config
+from autopar.tools.verify import verify
 
 # nearly free communication and dear compute: the solver shards all its rules allow, so
 # the simulator checks sharded programs (the tests' CHEAP_COMM)
@@ -109,6 +112,7 @@ class SweepResult:
     times_s: dict[str, float] = field(default_factory=dict)  # stage value -> seconds
     params: int = 0
     sharded_params: int = 0  # parameters the plan stores split on some mesh axis
+    sharded_values: int = 0  # graph values (parameters, activations) split on some mesh axis
 
     @property
     def category(self) -> str:
@@ -148,7 +152,7 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
     """Run one architecture through the stages in this process (the sweep calls it in a
     forked worker; tests may call it directly)."""
     times: dict[str, float] = {}
-    facts = {"params": 0, "sharded_params": 0}
+    facts = {"params": 0, "sharded_params": 0, "sharded_values": 0}
     order = list(Stage)
 
     def reached(s: Stage) -> bool:  # options.until cuts the run short
@@ -179,8 +183,9 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
             if reached(Stage.PLAN):
                 opts = Options(device=options.device, training=options.training)
                 plan = stage(Stage.PLAN, lambda: plan_traced(traced, Mesh.of(options.mesh), opts)[1])
-                facts["sharded_params"] = sum(1 for n in plan.nodes if n.kind is NodeKind.PARAMETER
-                                              and not n.outputs[0].is_replicated())
+                split = [n for n in plan.nodes if n.outputs and not n.outputs[0].is_replicated()]
+                facts["sharded_params"] = sum(n.kind is NodeKind.PARAMETER for n in split)
+                facts["sharded_values"] = len(split)
             if reached(Stage.SIMULATE):
                 stage(Stage.SIMULATE, lambda: _simulate_and_compare(model, kwargs, traced, plan, ref))
             if options.ranks and reached(Stage.RANKS):
@@ -245,7 +250,7 @@ def _simulate_and_compare(model: torch.nn.Module, kwargs: dict, traced, plan, re
     try:
         _compare(outs, leaves, traced, plan, ref)
     except AssertionError as e:
-        raise _Stopped(Stage.SIMULATE, Outcome.MISMATCH, _cause(e, 4)) from None
+        raise _Stopped(Stage.SIMULATE, Outcome.MISMATCH, _cause(e, 6)) from None
 
 
 def _compare(outs: list, leaves: list, traced, plan, ref: _Reference) -> None:
@@ -275,7 +280,6 @@ def _compare(outs: list, leaves: list, traced, plan, ref: _Reference) -> None:
 def _on_ranks(arch: str, model_class: str, plan, options: SweepOptions) -> None:
     """The plan on prod(mesh) spawned gloo ranks; each rebuilds the same tiny model (same
     seed) and runs autopar.verify against its own single-device copy."""
-    import torch.multiprocessing as mp
     world = plan.mesh.size
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = os.path.join(tmp, "plan.json")
@@ -294,8 +298,6 @@ def _on_ranks(arch: str, model_class: str, plan, options: SweepOptions) -> None:
 
 def _rank_main(rank: int, world: int, tmp: str, arch: str, model_class: str, plan_path: str,
                options: SweepOptions) -> None:
-    import torch.distributed as dist
-    from autopar.tools.verify import verify
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     text = "ERROR"
@@ -448,10 +450,14 @@ def summary(results: list[SweepResult], options: SweepOptions) -> str:
         lines += ["", "failures counted against autopar:"]
         lines += [f"  {r.arch:<24} {r.category:<18} {r.cause.splitlines()[0][:200] if r.cause else ''}"
                   for r in mine]
-    passed_unsharded = [r.arch for r in results if r.outcome is Outcome.PASS and "plan" in r.times_s
-                        and not r.sharded_params]
-    if passed_unsharded:
-        lines += ["", f"passed with no parameter sharded: {', '.join(passed_unsharded)}"]
+    planned = [r for r in results if r.outcome is Outcome.PASS and Stage.PLAN.value in r.times_s]
+    whole = [r.arch for r in planned if not r.sharded_values]
+    data_parallel = [r.arch for r in planned if r.sharded_values and not r.sharded_params]
+    if whole:
+        lines += ["", f"passed with every value replicated (the simulator checked one device's program): "
+                      f"{', '.join(whole)}"]
+    if data_parallel:
+        lines += ["", f"passed with every parameter whole (activations split): {', '.join(data_parallel)}"]
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ architecture's own defaults, and example inputs for them (random weights, no dow
 2. Shrink every field whose name says what it is (SHRINK: layers, widths, heads, experts,
    vocabulary, positions, windows, state sizes) to one small value per kind, keeping the
    widths consistent (hidden 64 = 4 heads x 16).
-3. Zero every dropout and router noise (the sweep compares against one device exactly).
+3. Zero every dropout and router noise (the sweep compares against one device exactly),
+   and keep initial weights small (std 0.02), so rounding is not amplified into a mismatch.
 4. Per-layer lists (layer_types and the like) keep one layer of each distinct kind.
 5. Special token ids move inside the small vocabulary (highest ids first).
 6. Nested configs (text_config, vision_config, ...) shrink the same way.
@@ -98,12 +99,12 @@ NOT_WIDTHS = ("chunk_size", "image_size", "patch_size", "kernel_size", "block_si
 RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 # (follower, leader): when the defaults are equal, the follower takes the leader's new value
 TIES = (("head_dim", "qk_rope_head_dim"), ("rotary_dim", "head_dim"))
+INIT_STD = ("init_std", "initializer_range")
 DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "drop_path", "jitter", "drop_rate")
 
 # model_type (or model class name) -> config values applied after the generic shrink (the
 # only hand-written part)
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
-    # Mamba-2 style heads: num_heads * head_dim == expand * hidden_size
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # the default has no experts
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "gemma3n_text": dict(num_kv_shared_layers=0),
@@ -116,6 +117,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "ReformerModelWithLMHead": dict(is_decoder=True),  # keyed by class: the masked-LM head must not be a decoder
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16,
                                                          indexer_budget=4, indexer_compress_ratio=2)),
+    # Mamba-2 style heads: num_heads * head_dim == expand * hidden_size
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, chunk_size=4),
     "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_chunk_size=4),
     "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_chunk_size=4, mamba_d_ssm=128),
@@ -144,7 +146,10 @@ def tiny_config(model_type: str, config_class: Any = None, model_class: str = ""
     from transformers import CONFIG_MAPPING
     cls = config_class or CONFIG_MAPPING[model_type]
     # 1. defaults; 2-6. shrunk values; 7. the family's own
-    overrides = shrink(cls().to_dict())
+    defaults = cls().to_dict()
+    overrides = shrink(defaults)
+    if model_class.endswith("ForCTC") and "vocab_size" in defaults and defaults["vocab_size"] is None:
+        overrides["vocab_size"] = 32  # a CTC head needs its (small) character vocabulary
     overrides.update(FAMILY_OVERRIDES.get(model_type, {}))
     overrides.update(FAMILY_OVERRIDES.get(model_class, {}))
     overrides["use_cache"] = False
@@ -203,6 +208,8 @@ def _shrunk(key: str, value: Any, hidden: int) -> Any:
         return {k: {**v, **shrink(v)} for k, v in value.items()}
     if isinstance(value, float) and any(w in key for w in DROPOUT_WORDS):
         return 0.0
+    if key in INIT_STD and isinstance(value, float) and value > 0.02:
+        return 0.02  # unit-variance weights give attention scores of ~1e3, whose softmax amplifies rounding
     target = SHRINK.get(key)
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if target is not None:
