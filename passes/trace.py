@@ -6,7 +6,8 @@
    constants of the trace (a different constant is a different signature).
 2. torch.export the model behind a wrapper that takes only the tensor leaves, with
    transformers' KV cache switched off while it runs (the user's config is restored).
-3. Functionalise in-place writes to intermediate values.
+3. Functionalise in-place writes to intermediate values, with the functional copy that
+   a slice write leaves spelled in differentiable ops.
 4. Read the graph signature: every placeholder is a parameter, buffer, constant or
    user input; refuse graphs that write parameters, buffers or inputs.
 """
@@ -147,6 +148,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecation notes
             ep = ep.run_decompositions({})
+        differentiable_copies(ep.graph_module)
     # 4. signature
     inputs = _graph_inputs(ep, name)
     _refuse_state_writes(ep, inputs, name)
@@ -230,6 +232,38 @@ def written_args(node: fx.Node) -> list[fx.Node]:
         if isinstance(value, fx.Node):
             out.append(value)
     return out
+
+
+def differentiable_copies(gm: fx.GraphModule) -> None:
+    """Functionalisation turns `dst[...] = src` into `slice_scatter(x, copy(dst, src))`;
+    `aten.copy` has no derivative, so training such a model fails in backward. Its value is
+    `src` cast to dst's dtype and broadcast to dst's shape, which these ops say with
+    derivatives (and rules): `clone(expand(_to_copy(src)))`, each step only where needed."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        dst_val, value = dst.meta["val"], src.meta["val"]
+        with gm.graph.inserting_before(node):
+            if value.dtype != dst_val.dtype:
+                src = _new_node(gm, node, torch.ops.aten._to_copy.default, (src,), {"dtype": dst_val.dtype})
+                value = src.meta["val"]
+            if tuple(value.shape) != tuple(dst_val.shape):
+                src = _new_node(gm, node, torch.ops.aten.expand.default, (src, list(dst_val.shape)), {})
+            out = _new_node(gm, node, torch.ops.aten.clone.default, (src,), {})
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _new_node(gm: fx.GraphModule, like: fx.Node, target: Any, args: tuple, kwargs: dict) -> fx.Node:
+    """A call inserted in place of `like`, with its value computed on the fake inputs and
+    `like`'s source location (errors and the plan name the user's line)."""
+    node = gm.graph.call_function(target, args, kwargs)
+    vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    node.meta = {k: v for k, v in like.meta.items() if k != "val"}
+    node.meta["val"] = target(*vals[0], **vals[1])
+    return node
 
 
 def writes_intermediates(gm: fx.GraphModule) -> bool:

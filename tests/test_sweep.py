@@ -43,12 +43,8 @@ SAMPLE = {
     (Task.IMAGE_CLASSIFICATION, "vit"): "vision transformer",
     (Task.IMAGE_CLASSIFICATION, "convnext"): "convolutional vision",
 }
-# aten.copy from functionalised slice writes has no autograd formula (passes/trace.py)
-KNOWN_FAILING = {
-    "deepseek_v3": "training: derivative for aten::copy is not implemented",
-    "minicpm3": "training: derivative for aten::copy is not implemented",
-    "recurrent_gemma": "training: derivative for aten::copy is not implemented",
-}
+# architecture -> why it fails today (none: the three the slice-write backward stopped pass)
+KNOWN_FAILING: dict[str, str] = {}
 PASSING = [key for key in SAMPLE if key[1] not in KNOWN_FAILING]
 # one per task, of families tests/test_zoo_simulated.py does not already run in the quick set
 QUICK = [(Task.CAUSAL_LM, "mamba"), (Task.SEQ2SEQ, "bart"), (Task.IMAGE_CLASSIFICATION, "convnext")]

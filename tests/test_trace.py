@@ -127,3 +127,35 @@ def test_a_write_to_a_buffer_is_refused_naming_it(through_view):
     with pytest.raises(UnsupportedModelError) as err:
         trace(WritesBuffer(through_view), (torch.randn(2, 4),))
     assert "count" in str(err.value) and "WritesBuffer" in str(err.value) and "node " in str(err.value)
+
+
+class SliceWrite(nn.Module):
+    """`y[:, :half] = proj(x)`: functionalised into `slice_scatter(copy(...))`, whose
+    `aten.copy` has no derivative; trace spells it in differentiable ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(x)
+        y[:, :, :8] = self.proj(x)[:, :, 0:1].to(torch.float64)  # cast and broadcast by the write
+        return y
+
+
+def test_a_slice_write_trains_and_matches_one_device_on_a_sharded_plan():
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
+    from tests import cases
+    from tests.simulated import assert_simulation_matches
+
+    torch.manual_seed(0)
+    model = SliceWrite().train()
+    x = torch.randn(4, 6, 16)
+    traced = trace(model, (x,))
+    copies = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.copy.default]
+    assert not copies, "aten.copy (no derivative) left in the graph"
+    plan = plan_traced(traced, Mesh((2,)), Options(device=cases.CHEAP_COMM))[1]
+    assert assert_simulation_matches(model, (x,), {}, traced, plan, context="slice write") == 4
