@@ -1,21 +1,18 @@
 """Cases that run inside every gloo rank (see harness.run_ranks)."""
 
 from __future__ import annotations
-from autopar.core.kinds import NodeKind
 
 import warnings
 
 import torch
 
 import autopar
-from autopar.cost_models.devices import DeviceSpec, Link
+from autopar.core.kinds import NodeKind
 from autopar.passes.hand_plans import hand_plan
+# nearly free communication, dear compute: the solver shards as much as its rules allow,
+# which exercises every reshard path
+from autopar.tools.simulated import CHEAP_COMM
 from tests import models
-
-# A device on which communication is nearly free and compute dear: the solver shards
-# as much as it can, which exercises every reshard path the rules allow.
-CHEAP_COMM = DeviceSpec("cheap-comm", {torch.float32: 1e9}, mem_bw_bytes_per_s=1e9, op_overhead_s=0.0,
-                        intra_link=Link(1e-9, 1e-15), inter_link=Link(1e-9, 1e-15), achievable=1.0)
 
 
 def _leaves(out):

@@ -17,7 +17,7 @@ from autopar.passes.planning import plan_traced
 from autopar.passes.trace import trace
 from tests import cases, fuzz_models
 from tests.harness import run_ranks
-from tests.simulated import assert_simulation_matches
+from autopar.tools.simulated import simulate_against
 
 
 def check_simulated(spec: dict) -> None:
@@ -31,8 +31,8 @@ def check_simulated(spec: dict) -> None:
 
 def check_plan_simulated(model, x, traced, plan, context: str = "") -> None:
     """Every simulated rank's output and local parameter gradients (loss: mean of the
-    squared output) equal the single-device ones (tests/simulated.py)."""
-    assert_simulation_matches(model, (x,), {}, traced, plan, context=context)
+    squared output) equal the single-device ones (autopar/tools/simulated.py)."""
+    simulate_against(model, (x,), {}, traced, plan, context=context)
 
 
 @seed(20261130)

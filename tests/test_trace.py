@@ -149,7 +149,7 @@ def test_a_slice_write_trains_and_matches_one_device_on_a_sharded_plan():
     from autopar.core.options import Options
     from autopar.passes.planning import plan_traced
     from tests import cases
-    from tests.simulated import assert_simulation_matches
+    from autopar.tools.simulated import simulate_against
 
     torch.manual_seed(0)
     model = SliceWrite().train()
@@ -158,4 +158,4 @@ def test_a_slice_write_trains_and_matches_one_device_on_a_sharded_plan():
     copies = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.copy.default]
     assert not copies, "aten.copy (no derivative) left in the graph"
     plan = plan_traced(traced, Mesh((2,)), Options(device=cases.CHEAP_COMM))[1]
-    assert assert_simulation_matches(model, (x,), {}, traced, plan, context="slice write") == 4
+    assert simulate_against(model, (x,), {}, traced, plan, context="slice write") == 4

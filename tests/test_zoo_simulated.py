@@ -20,7 +20,7 @@ from autopar.passes.planning import plan_traced
 from autopar.passes.trace import trace
 from autopar.tools import zoo
 from tests import cases, models
-from tests.simulated import assert_simulation_matches
+from autopar.tools.simulated import simulate_against
 
 MESH = (4,)
 TINY = [n for n in zoo.names() if n.endswith("-tiny")]
@@ -48,5 +48,5 @@ def test_zoo_model_matches_single_device_in_simulation(name):
         plan = plan_traced(traced, Mesh(MESH), Options(device=cases.CHEAP_COMM))[1]
     sharded = [n.name for n in plan.nodes if n.kind is NodeKind.PARAMETER and not n.outputs[0].is_replicated()]
     assert sharded, f"{name}: nothing was sharded, so the simulator would check a replicated program"
-    compared = assert_simulation_matches(model, args, kwargs, traced, plan, context=f"{name} on {MESH}")
+    compared = simulate_against(model, args, kwargs, traced, plan, context=f"{name} on {MESH}")
     assert compared > 0 or not traced.training, f"{name}: no gradients compared"

@@ -79,7 +79,8 @@ def _sweep_parser(sub) -> None:
 
 def _sweep(args) -> int:
     from autopar.core.files import write_json_atomic
-    from autopar.tools.sweep import CHEAP_COMM, Stage, SweepOptions, summary, sweep, to_json
+    from autopar.tools.simulated import CHEAP_COMM
+    from autopar.tools.sweep import Stage, SweepOptions, summary, sweep, to_json
     from autopar.tools.sweep_configs import Task
     options = SweepOptions(Task(args.task), args.mesh, args.training, args.ranks, args.limit_s,
                            device=CHEAP_COMM if args.device == "cheap-comm" else args.device,

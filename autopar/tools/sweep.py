@@ -25,7 +25,6 @@ Stages, in order; an architecture stops at the first that fails:
 
 from __future__ import annotations
 
-import copy
 import multiprocessing
 import os
 import signal
@@ -42,23 +41,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar import _compat
 from autopar.core.errors import TraceError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.core.placement import local_chunk
-from autopar.cost_models.devices import DeviceSpec, Link
+from autopar.cost_models.devices import DeviceSpec
 from autopar.passes.planning import plan_traced
-from autopar.passes.simulate_mesh import simulate
-from autopar.passes.trace import flatten_inputs, trace
+from autopar.passes.trace import trace
+from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run, simulate_against
 from autopar.tools.sweep_configs import Task, architectures, example_inputs, tiny_config
 from autopar.tools.verify import verify
 
-# nearly free communication and dear compute: the solver shards all its rules allow, so
-# the simulator checks sharded programs (the tests' CHEAP_COMM)
-CHEAP_COMM = DeviceSpec("cheap-comm", {torch.float32: 1e9}, mem_bw_bytes_per_s=1e9, op_overhead_s=0.0,
-                        intra_link=Link(1e-9, 1e-15), inter_link=Link(1e-9, 1e-15), achievable=1.0)
 MAX_PARAMS = 20_000_000  # a shrunk model bigger than this did not shrink
 
 
@@ -177,7 +170,7 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if reached(Stage.SINGLE_DEVICE):
-                ref = stage(Stage.SINGLE_DEVICE, lambda: _reference(model, kwargs, options.training))
+                ref = stage(Stage.SINGLE_DEVICE, lambda: reference_run(model, (), kwargs, options.training))
             if reached(Stage.EXPORT):
                 traced = stage(Stage.EXPORT, lambda: trace(model, (), kwargs))
             if reached(Stage.PLAN):
@@ -210,69 +203,12 @@ def _build(arch: str, model_class: str, options: SweepOptions) -> tuple[torch.nn
     return model, example_inputs(options.task, config, model_class, options.batch, options.seq)
 
 
-@dataclass(frozen=True)
-class _Reference:
-    outputs: list[torch.Tensor]
-    grads: dict[str, Optional[torch.Tensor]]
-
-
-def loss_of(out: Any) -> torch.Tensor:
-    """The model's own loss where it returns one, else the mean square of its first output."""
-    if isinstance(out, torch.Tensor):
-        return (out.float() ** 2).mean()
-    loss = getattr(out, "loss", None)
-    return loss if loss is not None else (out[0].float() ** 2).mean()
-
-
-def _tensor_leaves(out: Any) -> list[torch.Tensor]:
-    return [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-
-
-def _reference(model: torch.nn.Module, kwargs: dict, training: bool) -> _Reference:
-    """The single-device run, on a copy (the simulator reads `model`'s own tensors)."""
-    ref = copy.deepcopy(model)
-    with torch.set_grad_enabled(training):
-        out = ref(**kwargs)
-        if training:
-            loss_of(out).backward()
-    grads = {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False)} if training else {}
-    return _Reference([t.detach() for t in _tensor_leaves(out)], grads)
-
-
-def _simulate_and_compare(model: torch.nn.Module, kwargs: dict, traced, plan, ref: _Reference) -> None:
+def _simulate_and_compare(model: torch.nn.Module, kwargs: dict, traced, plan, ref: Reference) -> None:
     """Every simulated rank's outputs (and local gradient blocks) against the reference."""
-    state = {**dict(model.named_parameters(remove_duplicate=False)),
-             **dict(model.named_buffers(remove_duplicate=False))}
-    with torch.set_grad_enabled(traced.training):
-        outs, leaves = simulate(traced, plan, state, flatten_inputs((), kwargs)[0])
-        if traced.training:  # each rank differentiates its own (replicated) loss, as on real ranks
-            torch.autograd.backward([loss_of(_compat.tree_unflatten(o, traced.out_spec)) for o in outs])
     try:
-        _compare(outs, leaves, traced, plan, ref)
+        simulate_against(model, (), kwargs, traced, plan, ref)
     except AssertionError as e:
         raise _Stopped(Stage.SIMULATE, Outcome.MISMATCH, _cause(e, 6)) from None
-
-
-def _compare(outs: list, leaves: list, traced, plan, ref: _Reference) -> None:
-    for r, got in enumerate(outs):
-        assert len(got) == len(ref.outputs) > 0, f"rank {r}: {len(got)} outputs, expected {len(ref.outputs)}"
-        for i, (g, w) in enumerate(zip(got, ref.outputs)):
-            torch.testing.assert_close(g.detach(), w, msg=lambda m: f"rank {r} output {i}: {m}")
-    if not traced.training:
-        return
-    used = {e.producer for e in plan.edges}
-    params = [gi for gi in traced.inputs if gi.kind == NodeKind.PARAMETER and gi.name in used]
-    for r in range(plan.mesh.size):
-        coords = plan.mesh.coords(r)
-        for gi in params:
-            spec = plan.node(gi.name).outputs[0]
-            got, full = leaves[r][gi.target].grad, ref.grads.get(gi.target)
-            if full is None:
-                assert got is None or not got.any(), f"rank {r}: {gi.target} has a gradient it should not"
-                continue
-            assert got is not None, f"rank {r}: {gi.target} ({spec}) got no gradient"
-            torch.testing.assert_close(got, local_chunk(full, spec, plan.mesh.shape, coords),
-                                       msg=lambda m: f"rank {r} grad of {gi.target} ({spec}): {m}")
 
 
 # ---- real gloo ranks (--ranks) -------------------------------------------------------
