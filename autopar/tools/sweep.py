@@ -29,17 +29,13 @@ import multiprocessing
 import os
 import signal
 import statistics
-import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar.core.errors import TraceError
 from autopar.core.kinds import NodeKind
@@ -49,10 +45,9 @@ from autopar.cost_models.devices import DeviceSpec
 from autopar.passes.planning import plan_traced
 from autopar.passes.trace import trace
 from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run, simulate_against
-from autopar.tools.sweep_configs import Task, architectures, example_inputs, tiny_config
-from autopar.tools.verify import verify
+from autopar.tools.sweep_configs import Task, Tiny, architectures
+from autopar.tools.sweep_ranks import run_on_ranks
 
-MAX_PARAMS = 20_000_000  # a shrunk model bigger than this did not shrink
 
 
 class Stage(Enum):
@@ -165,7 +160,8 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
             times[s.value] = round(time.perf_counter() - start, 3)
 
     try:
-        model, kwargs = stage(Stage.CONFIG, lambda: _build(arch, model_class, options))
+        model, kwargs = stage(Stage.CONFIG, lambda: Tiny(arch, model_class, options.task, options.training, options.batch,
+                                                       options.seq).build())
         facts["params"] = sum(p.numel() for p in model.parameters())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -188,21 +184,6 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
     return SweepResult(arch, model_class, Outcome.PASS, None, "", times, **facts)
 
 
-def _build(arch: str, model_class: str, options: SweepOptions) -> tuple[torch.nn.Module, dict]:
-    import transformers
-    cls = getattr(transformers, model_class)
-    config = tiny_config(arch, getattr(cls, "config_class", None), model_class)
-    torch.manual_seed(0)
-    model = cls(config)
-    n = sum(p.numel() for p in model.parameters())
-    if n > MAX_PARAMS:
-        biggest = max(model.named_parameters(), key=lambda kv: kv[1].numel())
-        raise ValueError(f"did not shrink: {n / 1e6:.1f}M parameters, the largest {biggest[0]} "
-                         f"{tuple(biggest[1].shape)}; add the field to sweep_configs.SHRINK or FAMILY_OVERRIDES")
-    model.train(options.training)
-    return model, example_inputs(options.task, config, model_class, options.batch, options.seq)
-
-
 def _simulate_and_compare(model: torch.nn.Module, kwargs: dict, traced, plan, ref: Reference) -> None:
     """Every simulated rank's outputs (and local gradient blocks) against the reference."""
     try:
@@ -211,46 +192,11 @@ def _simulate_and_compare(model: torch.nn.Module, kwargs: dict, traced, plan, re
         raise _Stopped(Stage.SIMULATE, Outcome.MISMATCH, _cause(e, 6)) from None
 
 
-# ---- real gloo ranks (--ranks) -------------------------------------------------------
-
 def _on_ranks(arch: str, model_class: str, plan, options: SweepOptions) -> None:
-    """The plan on prod(mesh) spawned gloo ranks; each rebuilds the same tiny model (same
-    seed) and runs autopar.verify against its own single-device copy."""
-    world = plan.mesh.size
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_path = os.path.join(tmp, "plan.json")
-        plan.to_json(plan_path)
-        ctx = mp.start_processes(_rank_main, args=(world, tmp, arch, model_class, plan_path, options),
-                                 nprocs=world, join=False, start_method="spawn")
-        while not ctx.join(timeout=5):
-            pass
-        reports = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(world)]
-    bad = [(r, text) for r, text in enumerate(reports) if not text.startswith("OK")]
-    if bad:
-        r, text = bad[0]
-        outcome = Outcome.MISMATCH if text.startswith("MISMATCH") else Outcome.ERROR
-        raise _Stopped(Stage.RANKS, outcome, f"rank {r}: {text[:600]}")
-
-
-def _rank_main(rank: int, world: int, tmp: str, arch: str, model_class: str, plan_path: str,
-               options: SweepOptions) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    text = "ERROR"
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-        model, kwargs = _build(arch, model_class, options)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = verify(model, (), kwargs, mesh=options.mesh, plan=plan_path)
-        text = f"{'OK' if report.ok else 'MISMATCH'} {report}"
-    except Exception:  # noqa: BLE001 - reported to the sweep
-        text = f"ERROR {traceback.format_exc()[-600:]}"
-    finally:
-        with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
-            f.write(text)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    bad = run_on_ranks(plan, Tiny(arch, model_class, options.task, options.training, options.batch, options.seq))
+    if bad is not None:
+        rank, outcome, text = bad
+        raise _Stopped(Stage.RANKS, Outcome[outcome], f"rank {rank}: {text[:600]}")
 
 
 # ---- the sweep: one forked worker per architecture -----------------------------------

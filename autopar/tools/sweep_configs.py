@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -348,3 +349,33 @@ def _speech_samples(config: Any) -> int:
     """Raw audio long enough for a few frames after the convolutional feature encoder."""
     strides = getattr(config, "conv_stride", None) or [320]
     return int(math.prod(strides)) * 8 + 400
+
+
+MAX_PARAMS = 20_000_000  # a shrunk model bigger than this did not shrink
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """One architecture's tiny model and inputs, rebuilt alike in any process (fixed seed):
+    the sweep's worker and every gloo rank of its --ranks stage build the same model."""
+
+    arch: str  # transformers model_type
+    model_class: str  # e.g. "LlamaForCausalLM"
+    task: Task
+    training: bool
+    batch: int = 4
+    seq: int = 8
+
+    def build(self) -> tuple[torch.nn.Module, dict]:
+        import transformers
+        cls = getattr(transformers, self.model_class)
+        config = tiny_config(self.arch, getattr(cls, "config_class", None), self.model_class)
+        torch.manual_seed(0)
+        model = cls(config)
+        n = sum(p.numel() for p in model.parameters())
+        if n > MAX_PARAMS:
+            biggest = max(model.named_parameters(), key=lambda kv: kv[1].numel())
+            raise ValueError(f"did not shrink: {n / 1e6:.1f}M parameters, the largest {biggest[0]} "
+                             f"{tuple(biggest[1].shape)}; add the field to sweep_configs.SHRINK or FAMILY_OVERRIDES")
+        model.train(self.training)
+        return model, example_inputs(self.task, config, self.model_class, self.batch, self.seq)
