@@ -66,10 +66,16 @@ def trace_for_planning(model: nn.Module, args: Any = (), kwargs: Optional[dict] 
                        param_dtype: Optional[torch.dtype] = None) -> TracedGraph:
     """Trace with example inputs; a model without weights (meta device) plans on shapes
     alone, so its inputs move to meta too. `param_dtype`: Options.param_dtype."""
+    return trace(model, *planning_inputs(model, args, kwargs), param_dtype)
+
+
+def planning_inputs(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
+    """The (args, kwargs) trace_for_planning traces with: on meta for a model on meta."""
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = dict(kwargs or {})
     if any(p.device.type == "meta" for p in model.parameters()):
-        args, kwargs = inputs_on_meta(args, kwargs or {})
-    return trace(model, args, kwargs, param_dtype)
+        args, kwargs = inputs_on_meta(args, kwargs)
+    return args, kwargs
 
 
 def inputs_on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

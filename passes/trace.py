@@ -10,11 +10,16 @@
    a slice write leaves spelled in differentiable ops.
 4. Read the graph signature: every placeholder is a parameter, buffer, constant or
    user input; refuse graphs that write parameters, buffers or inputs.
+
+Steps 1-3 are export_program, step 4 traced_program; program_bytes and load_program
+carry a program from one process to another between the two (runtime/shipping.py: one
+rank traces, every rank plans the same graph).
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,8 +131,15 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
     """`param_dtype`: run on copies of the floating parameters and inputs in this dtype
     (mixed precision; see _TensorLeafCall)."""
     kwargs = dict(kwargs or {})
+    return traced_program(export_program(model, args, kwargs, param_dtype), model, args, kwargs)
+
+
+def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
+                   param_dtype: Optional[torch.dtype] = None) -> Any:
+    """Steps 1-3: the ExportedProgram of `model` on these inputs, in-place writes to
+    intermediate values functionalised (what traced_program reads)."""
     # 1. flatten
-    tensors, in_spec, consts = flatten_inputs(args, kwargs)
+    tensors, in_spec, consts = flatten_inputs(args, dict(kwargs or {}))
     wrapper = _TensorLeafCall(model, in_spec, consts, param_dtype)
     name = type(model).__name__
     # 2. export
@@ -149,6 +161,16 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecation notes
             ep = ep.run_decompositions({})
         differentiable_copies(ep.graph_module)
+    return ep
+
+
+def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> TracedGraph:
+    """Step 4: the TracedGraph of `export_program(model, args, kwargs)`'s program `ep`
+    (from this process or, through load_program, from another rank). Renames `ep`'s
+    placeholders in place, so serialise it (program_bytes) before this."""
+    kwargs = dict(kwargs or {})
+    _, in_spec, consts = flatten_inputs(args, kwargs)
+    name = type(model).__name__
     # 4. signature
     inputs = _graph_inputs(ep, name)
     _refuse_state_writes(ep, inputs, name)
@@ -165,6 +187,40 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         training=model.training,
         input_paths=_compat.tensor_leaf_paths((tuple(args), dict(kwargs))),
     )
+
+
+def program_bytes(ep: Any) -> bytes:
+    """`ep` (export_program's, before traced_program renames it) as bytes, without its
+    weights: torch.export's own serialiser (what torch.export.save writes: every node in
+    order with its name, target, arguments, meta["val"], stack trace and module path;
+    higher-order ops; symbolic shapes) kept as its schema objects and pickled rather than
+    as its JSON, whose decoding costs about three times as much. Parameters and buffers
+    travel as meta stand-ins (shape and dtype only); the lifted tensor constants, which
+    are small, travel on the CPU."""
+    from torch._export.serde import serialize as serde  # torch.export.save's layer below the file
+
+    program = serde.ExportedProgramSerializer().serialize(
+        ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False)
+    stand_ins = {k: _meta_like(v) for k, v in ep.state_dict.items()}
+    constants = {k: (v.device.type, v.detach().to("cpu", copy=True) if v.device.type != "meta" else _meta_like(v))
+                 for k, v in ep.constants.items()}
+    return pickle.dumps((program.exported_program, stand_ins, constants))
+
+
+def load_program(data: bytes, device: Optional[torch.device] = None) -> Any:
+    """The ExportedProgram program_bytes wrote (parameters and buffers on meta). Lifted
+    constants go back to the CPU or meta as they were, and to `device` (this rank's)
+    where they were on another rank's accelerator."""
+    from torch._export.serde import serialize as serde
+
+    program, stand_ins, constants = pickle.loads(data)  # noqa: S301 - rank 0 of our own process group
+    placed = {k: t if kind in ("cpu", "meta") else t.to(device or kind) for k, (kind, t) in constants.items()}
+    return serde.ExportedProgramDeserializer().deserialize(program, stand_ins, placed)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
 
 
 # torch.export InputKind name -> ours
