@@ -7,10 +7,11 @@ Without example inputs the model is traced and planned at the first call, and ag
 for every new input signature (shapes, dtypes, non-tensor values); later plans keep
 the parameter layouts of the first, so the shards stay valid across signatures.
 
-A coordinator over small parts: groups.py (process groups per mesh axis), planner.py
-(rank 0 plans, every rank agrees), shards.py (this rank's parameters), measure.py
-(the profiling cost model), buckets.py (data-parallel gradient all-reduce), state.py
-(clipping, state dicts, checkpoints) and passes/emit.py (the program and its inputs).
+A coordinator over small parts: groups.py (process groups per mesh axis), shipping.py
+(rank 0 traces, the others rebuild its graph), planner.py (rank 0 plans, every rank
+agrees), shards.py (this rank's parameters), measure.py (the profiling cost model),
+buckets.py (data-parallel gradient all-reduce), state.py (clipping, state dicts,
+checkpoints) and passes/emit.py (the program and its inputs).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from autopar.core.options import Options
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
 from autopar.passes.emit import RankProgram, emit, local_inputs, shard
-from autopar.passes.planning import plan_annotated, trace_for_planning
+from autopar.passes.planning import plan_annotated
 from autopar.passes.program import bind
 from autopar.passes.strategies import annotate
 from autopar.passes.trace import TracedGraph, flatten_inputs
@@ -41,6 +42,7 @@ from autopar.runtime.compiling import compiled_program
 from autopar.runtime.groups import mesh_groups
 from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.runtime.planner import agreed_plan
+from autopar.runtime.shipping import shared_trace
 from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts
 from autopar.runtime.state import ShardedStateMethods
 
@@ -141,11 +143,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return self.programs[key]
 
     def _compile(self, args: tuple, kwargs: dict) -> Compiled:
-        traced, problem = None, None
-        try:
-            traced = trace_for_planning(self.source_model, args, kwargs, self.options.param_dtype)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by agreed_plan
-            problem = e
+        traced, problem = shared_trace(self.source_model, args, kwargs, self.options.param_dtype, self.device)
         profile = self._profile() if self._given is None and problem is None else None
         plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile), self._given, self._given_source)
         opts = self.options

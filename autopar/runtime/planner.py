@@ -1,10 +1,11 @@
 """One plan for every rank: rank 0 solves, the others receive it, all check they agree.
 
-    every rank: trace ----------------------------.
+    every rank: traced graph ---------------------.
     rank 0:     (measure) -> solve -> broadcast ---+-> fingerprint check -> all-gather
     others:                      receive ---------'   (digest, error) -> same plan or raise
 
-1. Every rank traces its own model and inputs (a failure is kept, not raised yet).
+1. Every rank holds the traced graph (shipping.py: rank 0 traces, the others rebuild
+   its graph), or the error its tracing met (kept, not raised yet).
 2. Rank 0 solves (one solve instead of one per rank) and broadcasts the plan, or the
    error it met; a given plan (file or object) is checked against the trace instead.
 3. Every rank gathers every rank's plan digest and error. An error anywhere is raised
@@ -37,7 +38,7 @@ def agreed_plan(traced: Optional[TracedGraph], problem: Optional[Exception], sol
     plan: Optional[Plan] = None
     if given is not None:
         if problem is None:
-            _, problem = _attempt(lambda: check_fingerprint(given, traced, given_source))
+            _, problem = attempt(lambda: check_fingerprint(given, traced, given_source))
             plan = given if problem is None else None
     else:
         plan, problem = _solved_on_rank0(traced, problem, solve, rank)
@@ -51,13 +52,13 @@ def _solved_on_rank0(traced: Optional[TracedGraph], problem: Optional[Exception]
     box: list = [problem]
     error: Optional[Exception] = None
     if rank == 0 and problem is None:
-        plan, error = _attempt(lambda: solve(traced))
-        box[0] = plan if error is None else _sendable(error)
+        plan, error = attempt(lambda: solve(traced))
+        box[0] = plan if error is None else sendable(error)
     dist.broadcast_object_list(box, src=0)
     if problem is not None:
         return None, problem
     if isinstance(box[0], Exception):
-        return None, error if error is not None else _from_rank(box[0], 0)
+        return None, error if error is not None else from_rank(box[0], 0)
     plan = box[0]
     if plan.fingerprint != traced.fingerprint:
         return None, FingerprintMismatchError(
@@ -67,7 +68,7 @@ def _solved_on_rank0(traced: Optional[TracedGraph], problem: Optional[Exception]
     return plan, None
 
 
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, Optional[Exception]]:
+def attempt(fn: Callable[[], Any]) -> tuple[Any, Optional[Exception]]:
     """(fn(), None) or (None, its error): the error is forwarded so that the other ranks
     fail too instead of waiting in a collective."""
     try:
@@ -77,14 +78,14 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, Optional[Exception]]:
 
 
 def _agree(plan: Optional[Plan], problem: Optional[Exception]) -> None:
-    mine = (plan.digest() if plan is not None else None, _sendable(problem) if problem is not None else None)
+    mine = (plan.digest() if plan is not None else None, sendable(problem) if problem is not None else None)
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, mine)
     if problem is not None:
         raise problem
     failed = [(r, err) for r, (_, err) in enumerate(seen) if err is not None]
     if failed:
-        raise _from_rank(failed[0][1], failed[0][0])
+        raise from_rank(failed[0][1], failed[0][0])
     digests = [d for d, _ in seen]
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -93,7 +94,7 @@ def _agree(plan: Optional[Plan], problem: Optional[Exception]) -> None:
             f"{sorted(set(digests[r] for r in odd))}; give every rank the same model, inputs and plan file")
 
 
-def _sendable(error: Exception) -> Exception:
+def sendable(error: Exception) -> Exception:
     """The error itself if it survives a trip through pickle, else a PlanningError naming it."""
     try:
         copy = pickle.loads(pickle.dumps(error))
@@ -104,7 +105,7 @@ def _sendable(error: Exception) -> Exception:
     return PlanningError(f"{type(error).__name__}: {error}")
 
 
-def _from_rank(error: Exception, rank: int) -> Exception:
+def from_rank(error: Exception, rank: int) -> Exception:
     note = f"(raised on rank {rank} while planning; this rank stops too)"
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(note)
