@@ -12,9 +12,15 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
-from autopar.tools.sweep import (NOT_AUTOPARS, Outcome, Stage, SweepOptions, SweepResult, check_architecture,
-                                 summary, sweep, to_json)
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.passes.planning import plan_traced
+from autopar.passes.trace import trace
+from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run
+from autopar.tools.sweep import (NOT_AUTOPARS, Outcome, Stage, SweepOptions, SweepResult, _simulate_and_compare,
+                                 _Stopped, check_architecture, summary, sweep, to_json)
 from autopar.tools.sweep_configs import (HIDDEN, VOCAB, Task, architectures, example_inputs, special_token_ids,
                                          tiny_config)
 
@@ -143,3 +149,39 @@ def test_failures_outside_autopar_are_counted_apart():
     assert data["counts"]["export"] == 1 and data["stage_times_s"]["plan"]["max"] == 1.0
     assert [r["category"] for r in data["results"]] == ["pass", "config", "single-device", "export",
                                                         "simulate-mismatch", "plan"]
+
+
+# ---- the float64 re-check of an fp32 mismatch ---------------------------------------
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, noisy: bool = False) -> None:
+        super().__init__()
+        self.up, self.down, self.noisy = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), noisy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        return y + torch.randn_like(y) if self.noisy else y  # noise: a different result every run
+
+
+def _mlp_case(noisy: bool):
+    torch.manual_seed(0)
+    model, kwargs = _Mlp(noisy).train(), {"x": torch.randn(8, 16)}
+    traced = trace(model, (), kwargs)
+    plan = plan_traced(traced, Mesh.of(MESH), Options(device=CHEAP_COMM))[1]
+    return model, kwargs, traced, plan
+
+
+def test_an_fp32_only_difference_passes_when_float64_matches():
+    model, kwargs, traced, plan = _mlp_case(noisy=False)
+    ref = reference_run(model, (), kwargs, training=True)
+    assert _simulate_and_compare(model, kwargs, traced, plan, ref, SweepOptions(mesh=MESH)) is False
+    off = Reference(tuple(t + 1e-4 for t in ref.outputs), ref.grads)  # what rounding would look like at fp32
+    assert _simulate_and_compare(model, kwargs, traced, plan, off, SweepOptions(mesh=MESH)) is True
+
+
+def test_a_difference_that_float64_keeps_is_a_mismatch():
+    model, kwargs, traced, plan = _mlp_case(noisy=True)
+    ref = reference_run(model, (), kwargs, training=True)
+    with pytest.raises(_Stopped) as stopped:
+        _simulate_and_compare(model, kwargs, traced, plan, ref, SweepOptions(mesh=MESH))
+    assert stopped.value.outcome is Outcome.MISMATCH and "in float64 too" in stopped.value.cause
