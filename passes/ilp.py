@@ -36,19 +36,14 @@ Coefficients are scaled for the solver: time in microseconds (US), bytes in MiB 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Mapping, Optional
 
 import pulp
 
 from autopar.core.errors import SolverError
-from autopar.core.placement import R, Spec
-from autopar.core.resharding import Step, Unreachable, reshard_steps, split_axes
-from autopar.cost_models.model import CostModel
-from autopar.passes.rules import Strategy
+from autopar.cost_models.edge_prices import INF, DstKey, EdgePricer
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
 
-INF = float("inf")
 US = 1e6  # the time objective is in microseconds, which keeps coefficients well scaled
 MIB = 2**20  # the memory objective is in MiB, for the same reason
 
@@ -63,33 +58,6 @@ class Member:
 
     leader: str
     index_map: tuple[int, ...]  # leader strategy index -> this node's strategy index (-1: impossible)
-
-
-def grad_sync_axes(strategy: Strategy, position: int) -> tuple[int, ...]:
-    dst = strategy.inputs[position]
-    return tuple(a for a in split_axes(strategy.inputs, strategy.outputs) if dst.placements[a] == R)
-
-
-class EdgePricer:
-    """R: reshard steps and their cost per (source spec, consumer strategy, position), memoised."""
-
-    def __init__(self, costs: CostModel) -> None:
-        self.costs = costs
-        self._steps = lru_cache(maxsize=None)(self._compute_steps)
-
-    @staticmethod
-    def _compute_steps(src: Spec, dst: Spec, gsa: tuple[int, ...]) -> Optional[tuple[Step, ...]]:
-        try:
-            return reshard_steps(src, dst, gsa)
-        except Unreachable:
-            return None
-
-    def steps(self, src: Spec, consumer: Strategy, position: int) -> Optional[tuple[Step, ...]]:
-        return self._steps(src, consumer.inputs[position], grad_sync_axes(consumer, position))
-
-    def cost_s(self, src: Spec, consumer: Strategy, position: int) -> float:
-        steps = self.steps(src, consumer, position)
-        return INF if steps is None else self.costs.steps_cost(steps).total_s
 
 
 @dataclass(frozen=True)
@@ -225,7 +193,7 @@ def one_hot(prob: pulp.LpProblem, model: IlpModel) -> dict[str, tuple[Variable, 
         if all(var is None for var in s[g]):
             raise SolverError(f"node {g} ({model.graph.node(g).op}) has no feasible strategy on mesh "
                               f"{model.graph.mesh.shape}: every choice needs a reshard autopar cannot do")
-        prob += pulp.lpSum(var for var in s[g] if var is not None) == 1, f"onehot_{g}"
+        prob += pulp.LpAffineExpression({var: 1 for var in s[g] if var is not None}) == 1, f"onehot_{g}"
     return s
 
 
@@ -243,7 +211,8 @@ def edge_consistency(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tupl
         sum_r x[e,o,r] = sum_{i in o} s[gu,i]   for every o
         sum_o x[e,o,r] = sum_{j in r} s[gv,j]   for every r,   x[e,o,r] >= 0,
 
-    with no x[e,o,r] where R[e,o,r] is infinite. An edge with one class on a side needs
+    with no x[e,o,r] where R[e,o,r] is infinite. Classes whose rows (or columns) of R
+    are equal are merged first (_merge_alike). An edge with one class on a side needs
     no x (its cost is a term on the other side's s; an impossible pair fixes that s at
     0), nor does one whose every pair costs the same (its cost is a constant). Returns
     each edge's reshard cost sum_{o,r} R[e,o,r] x[e,o,r] in microseconds, twins sharing
@@ -254,64 +223,99 @@ def edge_consistency(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tupl
     for e, edge in enumerate(model.edges):
         key = edge.twin_key(model.rep)
         if key not in built:
-            src, dst = _classes(edge, model, s)
-            matrix = {(o, r): pricer.cost_s(o, dst[r][0], edge.position) for o in src for r in range(len(dst))}
-            built[key], n = _link_classes(prob, e, src, dst, matrix)
+            src, dst = _classes(edge, model, s, pricer)
+            matrix = [[pricer.cost_between(o, r) for r in dst] for o in src]
+            built[key], n = _link_classes(prob, e, *_merge_alike(list(src.values()), list(dst.values()), matrix))
             created += n
         reshard.append(built[key])
     return tuple(reshard), created
 
 
-def _classes(edge: Edge, model: IlpModel, s: Mapping[str, tuple[Variable, ...]]
-             ) -> tuple[dict[Spec, list[pulp.LpVariable]], list[tuple[Strategy, list[pulp.LpVariable]]]]:
+Classes = list[list[pulp.LpVariable]]  # per class, the s variables that choose it
+
+
+def _classes(edge: Edge, model: IlpModel, s: Mapping[str, tuple[Variable, ...]], pricer: EdgePricer
+             ) -> tuple[dict[int, list[pulp.LpVariable]], dict[DstKey, list[pulp.LpVariable]]]:
     """The src classes o (u's output spec) and dst classes r (v's input spec and
     grad-sync axes: consumer strategies that price alike), each with its s variables."""
     producer, pos = model.graph.node(edge.producer), edge.position
     mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
-    src: dict[Spec, list[pulp.LpVariable]] = {}
+    src: dict[int, list[pulp.LpVariable]] = {}
     for i, j in enumerate(mu.index_map):
         var = s[mu.leader][i]
         if j >= 0 and var is not None:
-            src.setdefault(producer.strategies[j].outputs[edge.output], []).append(var)
-    dst: dict[tuple[Spec, tuple[int, ...]], tuple[Strategy, list[pulp.LpVariable]]] = {}
+            src.setdefault(pricer.spec_id(producer.strategies[j].outputs[edge.output]), []).append(var)
+    dst: dict[DstKey, list[pulp.LpVariable]] = {}
     for i, j in enumerate(mv.index_map):
         var = s[mv.leader][i]
         if j >= 0 and var is not None:
-            strat = edge.consumer.strategies[j]
-            dst.setdefault((strat.inputs[pos], grad_sync_axes(strat, pos)), (strat, []))[1].append(var)
-    return src, list(dst.values())
+            dst.setdefault(pricer.dst_key(edge.consumer.strategies[j], pos), []).append(var)
+    return src, dst
 
 
-def _link_classes(prob: pulp.LpProblem, e: int, src: dict[Spec, list[pulp.LpVariable]],
-                  dst: list[tuple[Strategy, list[pulp.LpVariable]]], matrix: dict[tuple[Spec, int], float]
+def _merge_alike(src: Classes, dst: Classes, matrix: list[list[float]]
+                 ) -> tuple[Classes, Classes, list[list[float]]]:
+    """Merges src classes with equal rows of R, then dst classes with equal columns,
+    until none are left. Exact, for the LP relaxation too: a flow into two equal
+    columns splits in proportion to their marginals, at the same cost, and back."""
+    while True:
+        rows: dict[tuple[float, ...], int] = {}
+        merged_src: Classes = []
+        for vars_, row in zip(src, matrix):
+            k = rows.setdefault(tuple(row), len(rows))
+            if k == len(merged_src):
+                merged_src.append([])
+            merged_src[k].extend(vars_)
+        cols: dict[tuple[float, ...], int] = {}
+        merged_dst: Classes = []
+        for r, vars_ in enumerate(dst):
+            k = cols.setdefault(tuple(row[r] for row in rows), len(cols))
+            if k == len(merged_dst):
+                merged_dst.append([])
+            merged_dst[k].extend(vars_)
+        if len(merged_src) == len(src) and len(merged_dst) == len(dst):
+            return src, dst, matrix
+        columns = list(cols)
+        src, dst, matrix = merged_src, merged_dst, [list(row) for row in zip(*columns)]
+
+
+def _link_classes(prob: pulp.LpProblem, e: int, src: Classes, dst: Classes, matrix: list[list[float]]
                   ) -> tuple[LinearTerms, int]:
     """Edge e's constraints and cost terms, without x where a side has one class."""
     terms = LinearTerms()
-    if len(set(matrix.values())) == 1 and INF not in matrix.values():
-        terms.add(None, next(iter(matrix.values())) * US)
+    if len(src) == 1 and len(dst) == 1 and matrix[0][0] < INF:
+        terms.add(None, matrix[0][0] * US)
         return terms, 0
     if len(src) == 1:
-        (o,) = src
-        for r, (_, vars_) in enumerate(dst):
+        for r, vars_ in enumerate(dst):
             for var in vars_:
-                _add_or_forbid(prob, terms, var, matrix[(o, r)], f"e{e}_d{r}")
+                _add_or_forbid(prob, terms, var, matrix[0][r], f"e{e}_d{r}")
         return terms, 0
     if len(dst) == 1:
-        for i, (o, vars_) in enumerate(src.items()):
+        for o, vars_ in enumerate(src):
             for var in vars_:
-                _add_or_forbid(prob, terms, var, matrix[(o, 0)], f"e{e}_s{i}")
+                _add_or_forbid(prob, terms, var, matrix[o][0], f"e{e}_s{o}")
         return terms, 0
-    xs: dict[tuple[int, int], pulp.LpVariable] = {}
-    for oi, o in enumerate(src):
-        for r in range(len(dst)):
-            if matrix[(o, r)] < INF:
-                xs[(oi, r)] = x = _variable(prob, f"x_{e}_{oi}_{r}", lowBound=0)
-                terms.add(x, matrix[(o, r)] * US)
-    for oi, vars_ in enumerate(src.values()):
-        prob += pulp.lpSum(x for (a, _), x in xs.items() if a == oi) == pulp.lpSum(vars_), f"e{e}_src{oi}"
-    for r, (_, vars_) in enumerate(dst):
-        prob += pulp.lpSum(x for (_, b), x in xs.items() if b == r) == pulp.lpSum(vars_), f"e{e}_dst{r}"
-    return terms, len(xs)
+    by_src: list[dict[pulp.LpVariable, float]] = [{var: -1.0 for var in vars_} for vars_ in src]
+    by_dst: list[dict[pulp.LpVariable, float]] = [{var: -1.0 for var in vars_} for vars_ in dst]
+    created = 0
+    for o, row in enumerate(matrix):
+        for r, cost in enumerate(row):
+            if cost < INF:
+                x = _variable(prob, f"x_{e}_{o}_{r}", lowBound=0)
+                terms.add(x, cost * US)
+                by_src[o][x] = by_dst[r][x] = 1.0
+                created += 1
+    for o, coef in enumerate(by_src):
+        _equals_zero(prob, coef, f"e{e}_src{o}")
+    for r, coef in enumerate(by_dst):
+        _equals_zero(prob, coef, f"e{e}_dst{r}")
+    return terms, created
+
+
+def _equals_zero(prob: pulp.LpProblem, coef: dict[pulp.LpVariable, float], name: str) -> None:
+    """sum_v coef[v] v = 0, built from the dict at once (PuLP's += is slow at scale)."""
+    prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(coef), pulp.LpConstraintEQ, rhs=0), name)
 
 
 def _add_or_forbid(prob: pulp.LpProblem, terms: LinearTerms, var: pulp.LpVariable, cost_s: float,

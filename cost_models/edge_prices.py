@@ -1,0 +1,87 @@
+"""R of the ILP (passes/ilp.py): the reshard steps between a producer's output spec and
+the spec a consumer strategy reads, and their cost, memoised on the values they depend
+on: the source spec, the consumer's input spec and its grad-sync axes (the tensor meta
+is in the specs, the mesh and the device in the cost model).
+
+The grad-sync axes of an input are the mesh axes on which the consumer does split work
+while reading that input as R (autopar/core/resharding.py): their backward all-reduces.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from autopar.core.placement import R, Spec
+from autopar.core.resharding import Step, Unreachable, reshard_steps, split_axes
+from autopar.cost_models.model import CostModel
+
+INF = float("inf")  # the cost of an unreachable reshard (and, in passes/ilp.py, of an impossible choice)
+
+
+class Layouts(Protocol):
+    """A strategy (passes/rules): the spec of each input and output."""
+
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+
+
+def grad_sync_axes(strategy: Layouts, position: int) -> tuple[int, ...]:
+    dst = strategy.inputs[position]
+    return tuple(a for a in split_axes(strategy.inputs, strategy.outputs) if dst.placements[a] == R)
+
+
+DstKey = tuple[int, tuple[int, ...]]  # a dst class: (numbered input spec, grad-sync axes)
+
+
+class EdgePricer:
+    """R: reshard steps and their cost, memoised on what they depend on: the source spec,
+    the consumer's input spec and its grad-sync axes (the tensor meta is in the specs,
+    the mesh in the cost model). Specs are numbered once per object, so the ~10^5 lookups
+    of an edge matrix hash small ints instead of walking placements and metas."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self._number: dict[Spec, int] = {}  # spec (by value) -> its number
+        self._specs: list[Spec] = []  # number -> spec
+        self._seen: dict[int, tuple[object, object]] = {}  # id(obj) -> (obj, memo): holding obj keeps its id its own
+        self._steps: dict[tuple[int, DstKey], Optional[tuple[Step, ...]]] = {}
+        self._cost: dict[tuple[int, DstKey], float] = {}
+
+    def spec_id(self, spec: Spec) -> int:
+        hit = self._seen.get(id(spec))
+        if hit is None:
+            n = self._number.setdefault(spec, len(self._number))
+            if n == len(self._specs):
+                self._specs.append(spec)
+            hit = self._seen[id(spec)] = (spec, n)
+        return hit[1]
+
+    def dst_key(self, consumer: Layouts, position: int) -> DstKey:
+        hit = self._seen.get(id(consumer))
+        if hit is None:
+            keys = tuple((self.spec_id(d), grad_sync_axes(consumer, p)) for p, d in enumerate(consumer.inputs))
+            hit = self._seen[id(consumer)] = (consumer, keys)
+        return hit[1][position]
+
+    def steps_between(self, src: int, dst: DstKey) -> Optional[tuple[Step, ...]]:
+        key = (src, dst)
+        if key not in self._steps:
+            try:
+                self._steps[key] = reshard_steps(self._specs[src], self._specs[dst[0]], dst[1])
+            except Unreachable:
+                self._steps[key] = None
+        return self._steps[key]
+
+    def cost_between(self, src: int, dst: DstKey) -> float:
+        key = (src, dst)
+        cost = self._cost.get(key)
+        if cost is None:
+            steps = self.steps_between(src, dst)
+            cost = self._cost[key] = INF if steps is None else self.costs.steps_cost(steps).total_s
+        return cost
+
+    def steps(self, src: Spec, consumer: Layouts, position: int) -> Optional[tuple[Step, ...]]:
+        return self.steps_between(self.spec_id(src), self.dst_key(consumer, position))
+
+    def cost_s(self, src: Spec, consumer: Layouts, position: int) -> float:
+        return self.cost_between(self.spec_id(src), self.dst_key(consumer, position))
