@@ -14,12 +14,13 @@ import tempfile
 import time
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import autopar
-from autopar.passes.trace import load_program, program_bytes, export_program, traced_program, trace
+from autopar.passes.trace import export_program, load_program, program_bytes, trace, traced_program
 from tests import models
 from tests.harness import run_ranks
 
@@ -122,6 +123,21 @@ def test_a_program_round_trips_without_its_weights():
     assert rebuilt.out_spec == want.out_spec
     for a, b in zip(want.gm.graph.nodes, rebuilt.gm.graph.nodes):
         assert a.meta.get("nn_module_stack") == b.meta.get("nn_module_stack"), a.format_node()
+
+
+def test_a_rank_whose_inputs_differ_from_rank_0s_is_named():
+    from autopar.core.errors import FingerprintMismatchError
+    from autopar.runtime.shipping import Inputs, check_inputs
+
+    def inputs(n: int, scale: float, device: str) -> Inputs:
+        return Inputs.of((torch.zeros(2, n),), {"scale": scale, "mask": None, "device": torch.device(device)})
+
+    rank0 = inputs(4, float("nan"), "cuda:0")
+    check_inputs(rank0, inputs(4, float("nan"), "cuda:3"), rank=3)  # each rank on its own device: the same
+    for mine, named in ((inputs(5, float("nan"), "cuda:3"), "args[0]"), (inputs(4, 2.0, "cuda:3"), "2.0")):
+        with pytest.raises(FingerprintMismatchError) as err:
+            check_inputs(rank0, mine, rank=3)
+        assert "rank 3" in str(err.value) and named in str(err.value), str(err.value)
 
 
 # ---- two ranks as plain processes, each with its own PYTHONHASHSEED ---------------------
