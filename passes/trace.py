@@ -33,6 +33,7 @@ from autopar import _compat
 from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
+from autopar.passes.higher_order import inline_grad_regions
 
 @dataclass(frozen=True)
 class GraphInput:
@@ -161,6 +162,7 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecation notes
             ep = ep.run_decompositions({})
         differentiable_copies(ep.graph_module)
+    inline_grad_regions(ep.graph_module)  # `with torch.no_grad():` inside forward
     return ep
 
 

@@ -159,3 +159,37 @@ def test_a_slice_write_trains_and_matches_one_device_on_a_sharded_plan():
     assert not copies, "aten.copy (no derivative) left in the graph"
     plan = plan_traced(traced, Mesh((2,)), Options(device=cases.CHEAP_COMM))[1]
     assert simulate_against(model, (x,), {}, traced, plan, context="slice write") == 4
+
+
+class NoGradRegion(nn.Module):
+    """A `with torch.no_grad():` block inside forward (a fixed-point step, a target
+    network): torch.export wraps it in a higher-order op with a nested graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = torch.tanh(self.inner(x))
+            scale = target.abs().mean(-1, keepdim=True)
+        return self.outer(x) * scale + target
+
+
+def test_a_no_grad_region_is_inlined_and_lets_no_gradient_through():
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
+    from autopar.tools.simulated import CHEAP_COMM, simulate_against
+
+    torch.manual_seed(0)
+    model = NoGradRegion().train()
+    x = torch.randn(4, 6, 16)
+    traced = trace(model, (x,))
+    assert not [n for n in traced.gm.graph.nodes if n.op == "get_attr" or isinstance(n.target, torch._ops.HigherOrderOperator)]
+    plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
+    # all four parameters compared: the inner two must get no gradient on any rank
+    assert simulate_against(model, (x,), {}, traced, plan, context="no_grad region") == 4
+    model.zero_grad()
+    model(x).sum().backward()
+    assert model.inner.weight.grad is None  # the reference: no gradient into the region

@@ -1,0 +1,88 @@
+"""Higher-order ops that torch.export leaves in a graph, spelled in plain ATen ops so that
+the rules, the rewrite and the runtime see one flat graph.
+
+A `with torch.no_grad():` region inside a model's forward exports as
+
+    out = wrap_with_set_grad_enabled(False, submod_k, *inputs)   # submod_k: a get_attr
+    a, b = out[0], out[1]
+
+and nothing downstream can shard or rewrite a call into a nested graph module. Inlining
+the body after detaching its inputs computes the same values and lets no gradient
+through, which is what the region means: its outputs do not require grad, and no
+activation of it is saved for backward."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from autopar.core.errors import UnsupportedModelError, describe_node
+
+_GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def inline_grad_regions(gm: fx.GraphModule) -> None:
+    """Inline every `wrap_with_set_grad_enabled` call (nested ones too: an inlined body may
+    bring its own). An enabled region (True) inlines as it is: the graph runs with
+    gradients on wherever it is differentiated."""
+    if not any(n.op == "call_function" and n.target is _GRAD_REGION for n in gm.graph.nodes):
+        return
+    while True:
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _GRAD_REGION]
+        if not calls:
+            break
+        for call in calls:
+            _inline(gm, call)
+    gm.graph.eliminate_dead_code()
+    for name, _ in list(gm.named_children()):
+        if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+            delattr(gm, name)
+    gm.recompile()
+
+
+def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
+    enabled, body_ref, *inputs = call.args
+    body = getattr(gm, body_ref.target)
+    if not isinstance(body, fx.GraphModule):
+        raise UnsupportedModelError(f"{describe_node(call)}: a grad-mode region whose body is not a graph "
+                                    f"({type(body).__name__}); autopar cannot inline it")
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_before(call):
+        for ph, value in zip(placeholders, inputs):
+            env[ph] = value if enabled or not _is_tensor(value) else _detached(gm, value)
+        for node in body.graph.nodes:
+            if node.op == "get_attr":  # a nested region's body: lift it onto gm under a fresh name
+                env[node] = _lifted(gm, body, node)
+            elif node.op not in ("placeholder", "output"):
+                env[node] = gm.graph.node_copy(node, lambda n: env[n])
+    outputs = fx.node.map_arg(body.graph.output_node().args[0], lambda n: env[n])
+    for user in list(call.users):
+        if user.target is not operator.getitem:
+            raise UnsupportedModelError(f"{describe_node(user)} reads a grad-mode region's results whole; "
+                                        "autopar inlines regions whose results are read by index")
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(call)
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
+
+
+def _detached(gm: fx.GraphModule, value: fx.Node) -> fx.Node:
+    node = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
+    node.meta = {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")}
+    return node
+
+
+def _lifted(gm: fx.GraphModule, body: fx.GraphModule, node: fx.Node) -> fx.Node:
+    name, i = f"{node.target}_inlined", 0
+    while hasattr(gm, f"{name}{i}"):
+        i += 1
+    gm.add_submodule(f"{name}{i}", getattr(body, node.target))
+    lifted = gm.graph.get_attr(f"{name}{i}")
+    lifted.meta = dict(node.meta)
+    return lifted
