@@ -87,6 +87,10 @@ class IlpModel:
     nbytes: Mapping[str, tuple[int, ...]]  # m[g,i] in bytes per rank
     edges: tuple[Edge, ...]  # the edges between groups, in graph order
 
+    def owner(self, group: str) -> str:
+        """The group whose s variables `group` uses: its representative, or itself."""
+        return self.rep.get(group, group)
+
 
 def ilp_model(graph: AnnotatedGraph, groups: Mapping[str, Member], pricer: EdgePricer,
               node_cost_s: Mapping[str, list[float]], node_nbytes: Mapping[str, list[int]],
@@ -234,23 +238,32 @@ def edge_consistency(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tupl
 Classes = list[list[pulp.LpVariable]]  # per class, the s variables that choose it
 
 
-def _classes(edge: Edge, model: IlpModel, s: Mapping[str, tuple[Variable, ...]], pricer: EdgePricer
-             ) -> tuple[dict[int, list[pulp.LpVariable]], dict[DstKey, list[pulp.LpVariable]]]:
+def edge_classes(edge: Edge, model: IlpModel, pricer: EdgePricer
+                 ) -> tuple[dict[int, list[int]], dict[DstKey, list[int]]]:
     """The src classes o (u's output spec) and dst classes r (v's input spec and
-    grad-sync axes: consumer strategies that price alike), each with its s variables."""
+    grad-sync axes: consumer strategies that price alike), each with the choices of its
+    group (leader strategy indices) that pick it; impossible choices (c infinite) in none."""
     producer, pos = model.graph.node(edge.producer), edge.position
     mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
-    src: dict[int, list[pulp.LpVariable]] = {}
+    cu, cv = model.cost_s[model.owner(mu.leader)], model.cost_s[model.owner(mv.leader)]
+    src: dict[int, list[int]] = {}
     for i, j in enumerate(mu.index_map):
-        var = s[mu.leader][i]
-        if j >= 0 and var is not None:
-            src.setdefault(pricer.spec_id(producer.strategies[j].outputs[edge.output]), []).append(var)
-    dst: dict[DstKey, list[pulp.LpVariable]] = {}
+        if j >= 0 and cu[i] < INF:
+            src.setdefault(pricer.spec_id(producer.strategies[j].outputs[edge.output]), []).append(i)
+    dst: dict[DstKey, list[int]] = {}
     for i, j in enumerate(mv.index_map):
-        var = s[mv.leader][i]
-        if j >= 0 and var is not None:
-            dst.setdefault(pricer.dst_key(edge.consumer.strategies[j], pos), []).append(var)
+        if j >= 0 and cv[i] < INF:
+            dst.setdefault(pricer.dst_key(edge.consumer.strategies[j], pos), []).append(i)
     return src, dst
+
+
+def _classes(edge: Edge, model: IlpModel, s: Mapping[str, tuple[Variable, ...]], pricer: EdgePricer
+             ) -> tuple[dict[int, list[pulp.LpVariable]], dict[DstKey, list[pulp.LpVariable]]]:
+    """edge_classes with the s variables of the choices."""
+    src, dst = edge_classes(edge, model, pricer)
+    su, sv = s[model.groups[edge.producer].leader], s[model.groups[edge.consumer.name].leader]
+    return ({o: [su[i] for i in idx] for o, idx in src.items()},
+            {r: [sv[i] for i in idx] for r, idx in dst.items()})
 
 
 def _merge_alike(src: Classes, dst: Classes, matrix: list[list[float]]

@@ -35,6 +35,7 @@ from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverRep
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
+from autopar.passes.dominance import prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
 from autopar.passes.rules import Strategy
@@ -148,9 +149,10 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     memory = node_memory(graph, costs, options)
     # 2. groups, and the variables repeated blocks share
     groups, blocks = _groups_and_blocks(graph, pricer, options)
-    model = ilp_model(graph, groups, pricer, node_costs(graph, costs), memory, blocks.rep)
-    # 3. the least time within the budget
     budget = options.memory_budget_bytes
+    model = ilp_model(graph, groups, pricer, node_costs(graph, costs), memory, blocks.rep)
+    model = prune_dominated(model, pricer, with_memory=budget is not None)
+    # 3. the least time within the budget
     ilp = build_ilp(model, pricer, time_objective, budget)
     name, solver = solver_for(options)
     elapsed = solve_quietly(ilp.prob, solver)

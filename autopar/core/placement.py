@@ -109,7 +109,7 @@ class Spec:
 
     def shard_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes that split `dim`, outermost first."""
-        return tuple(a for a, p in enumerate(self.placements) if p == Shard(dim))
+        return tuple(a for a, p in enumerate(self.placements) if type(p) is Shard and p.dim == dim)
 
     def is_replicated(self) -> bool:
         return all(p == R for p in self.placements)

@@ -26,10 +26,13 @@ Steps, in order: 1. resolve partials, 2. gather shards that the target does not 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
+import torch
+
 from autopar.core.kinds import StepKind
-from autopar.core.placement import Partial, Placement, R, Replicate, Shard, Spec
+from autopar.core.placement import Partial, Placement, R, Replicate, Shard, Spec, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,31 @@ def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
     `grad_sync_axes` are the mesh axes on which the consumer does split work while
     reading this value as R: their backward must all-reduce (or reduce-scatter, when
     fused into the all-gather that produced the R).
+
+    The steps depend on the placements and the tensor's rank only, so they are planned
+    once per such key (the planner asks for ~10^4 pairs) and bound to the tensor here.
     """
     if src.meta != dst.meta:
         raise ValueError(f"reshard between different tensors: {src.meta} vs {dst.meta}")
+    moves = _moves(src.placements, dst.placements, src.meta.ndim, tuple(grad_sync_axes))
+    if moves is None:
+        raise Unreachable(f"no reshard path from {src} to {dst} for tensor {src.meta.shape}")
+    return tuple(Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, s.backward, Spec(s.before.placements, src.meta))
+                 for s in moves)
+
+
+@lru_cache(maxsize=None)
+def _moves(src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int,
+           grad_sync_axes: tuple[int, ...]) -> Optional[tuple[Step, ...]]:
+    """The steps for a stand-in tensor of rank `ndim` (None: unreachable)."""
+    meta = TensorMeta((1,) * ndim, torch.float32)
+    try:
+        return _plan_steps(Spec(src, meta), Spec(dst, meta), grad_sync_axes)
+    except Unreachable:
+        return None
+
+
+def _plan_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...]) -> tuple[Step, ...]:
     steps: list[Step] = []
     cur = src
     n = len(src.placements)
