@@ -3,22 +3,25 @@ the solve, which gives the solver fewer s and far fewer x variables.
 
     IlpModel -> IlpModel with c[g,i] = INF (s[g,i] fixed at 0) for every dominated i
 
-Choice j of group g dominates choice i when, for every copy of g (clustering: copies
-share s) and every edge e between groups that touches one,
+For choices j and i of group g (over all copies of g, which share s under clustering,
+and every edge e between groups that touches one; o(i) / r(i): i's class on e),
 
-    c[g,j] <= c[g,i]                          (and m[g,j] <= m[g,i] when memory counts)
-    R[e,o(j),r] <= R[e,o(i),r]  for every dst class r     (g is the edge's producer)
-    R[e,o,r(j)] <= R[e,o,r(i)]  for every src class o     (g is the edge's consumer)
+    D(j,i) = sum_copies (c[g,j] - c[g,i])
+           + sum_e max_{r: R[e,o(i),r] < INF} (R[e,o(j),r] - R[e,o(i),r])   (g produces on e)
+           + sum_e max_{o: R[e,o,r(i)] < INF} (R[e,o,r(j)] - R[e,o,r(i)])   (g consumes on e)
 
-Why this is exact: in any plan that picks i, picking j instead changes only g's own
-terms and its edges' terms, and each of them is no larger whatever the other end picks
-(an edge between two copies of g changes on both ends: R[o(j),r(j)] <= R[o(i),r(j)] <=
-R[o(i),r(i)]). Of two equal choices the lower index survives, which makes "j beats i" a
-strict partial order: every pruned choice has a surviving dominator, and swapping
-groups one at a time never raises the cost, so pruning every group at once keeps the
-optimum (time; and the footprint too when memory is compared, which it is under a
-budget, the only case the memory objective is solved). Rounds repeat on the survivors:
-fewer classes on the other side can make more choices dominated.
+bounds what any plan that picks i gains by picking j instead, whatever the other ends
+pick (Goldstein's dominance for pairwise costs). j beats i when D(j,i) <= 0, j needs no
+more bytes when memory counts (under a budget, the only case the memory objective is
+solved), and j comes first in the order (potential, index), the potential being
+sum c + sum_e mean over the other end's classes of R: D(j,i) <= 0 implies j's potential
+is no larger, so the order loses no pruning of a strictly better j, and it makes
+"beats" acyclic. Why this keeps the optimum: D is subadditive (D(k,i) <= D(k,j) +
+D(j,i)), so a chain of beats ends at a surviving choice that beats the start; swapping
+groups one at a time to their surviving dominators never raises the cost (an edge
+between two copies of g changes on both ends and is bounded by both terms), so pruning
+every group at once is exact up to rounding. Rounds repeat on the survivors: fewer
+classes on the other end can make more choices dominated.
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ MAX_CELLS = 1 << 24  # compare at most this many profile entries at once (a few 
 def prune_dominated(model: IlpModel, pricer: EdgePricer, with_memory: bool) -> IlpModel:
     """`model` with its dominated choices made impossible (module docstring); `with_memory`:
     a choice must also need no more bytes to dominate."""
-    own = _own_terms(model, with_memory)
+    time_s, nbytes = _own_terms(model)
     edges = _edge_tables(model, pricer)
-    alive = {g: torch.tensor([c < INF for c in model.cost_s[g]]) for g in own}
+    alive = {g: torch.tensor([c < INF for c in model.cost_s[g]]) for g in time_s}
     while True:
-        pruned = {g: dominated(_profiles(g, own[g], edges, alive)[alive[g]], alive[g]) for g in own}
+        pruned = {g: _beaten(g, time_s[g], nbytes[g] if with_memory else None, edges, alive) for g in time_s}
         if not any(pruned.values()):
             break
         for g, choices in pruned.items():
@@ -61,14 +64,17 @@ class EdgeTable:
     prices: torch.Tensor  # R[o, r] in seconds
 
 
-def _own_terms(model: IlpModel, with_memory: bool) -> dict[str, torch.Tensor]:
-    """Per owner group, choice x (c, and m when it counts, of every copy)."""
-    cols: dict[str, list[list[float]]] = {}
+def _own_terms(model: IlpModel) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per owner group and choice: c and m summed over its copies (INF where impossible)."""
+    time_s: dict[str, torch.Tensor] = {}
+    nbytes: dict[str, torch.Tensor] = {}
     for g in model.leaders:
-        cols.setdefault(model.owner(g), []).append(list(model.cost_s[g]))
-        if with_memory:
-            cols[model.owner(g)].append([float(b) for b in model.nbytes[g]])
-    return {g: torch.tensor(c, dtype=torch.float64).T for g, c in cols.items()}
+        o = model.owner(g)
+        c = torch.tensor(model.cost_s[g], dtype=torch.float64)
+        m = torch.tensor(model.nbytes[g], dtype=torch.float64)
+        time_s[o] = time_s[o] + c if o in time_s else c
+        nbytes[o] = nbytes[o] + m if o in nbytes else m
+    return time_s, nbytes
 
 
 def _edge_tables(model: IlpModel, pricer: EdgePricer) -> list[EdgeTable]:
@@ -93,34 +99,53 @@ def _class_of(classes: dict, n: int) -> torch.Tensor:
     return out
 
 
-def _profiles(g: str, own: torch.Tensor, edges: list[EdgeTable], alive: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Choice x every coefficient that prices it: its own terms, and on each edge its row
-    (or column) of R against the classes the other end can still pick."""
-    blocks = [own]
+def _blocks(g: str, edges: list[EdgeTable], alive: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Per edge touching g: each of g's live choices' row (or column) of R against the
+    classes the other end can still pick."""
+    out = []
     for t in edges:
         if t.producer == g:
             live = torch.zeros(t.prices.shape[1], dtype=torch.bool)
             live[t.dst_class[alive[t.consumer]]] = True
-            blocks.append(t.prices[t.src_class][:, live])
+            out.append(t.prices[t.src_class[alive[g]]][:, live])
         if t.consumer == g:
             live = torch.zeros(t.prices.shape[0], dtype=torch.bool)
             live[t.src_class[alive[t.producer]]] = True
-            blocks.append(t.prices.T[t.dst_class][:, live])
-    return torch.cat(blocks, dim=1)
+            out.append(t.prices.T[t.dst_class[alive[g]]][:, live])
+    return [b for b in out if b.shape[1]]
 
 
-def dominated(table: torch.Tensor, alive: torch.Tensor) -> list[int]:
-    """The choices (indices among all, `alive` marking the rows of `table`) that another
-    beats: no larger anywhere, and smaller somewhere or equal with a lower index."""
-    n, width = table.shape
+def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: list[EdgeTable],
+            alive: dict[str, torch.Tensor]) -> list[int]:
+    """g's live choices that another live choice beats (module docstring)."""
+    live = alive[g].nonzero().flatten()
+    n = len(live)
     if n < 2:
         return []
-    beaten = torch.zeros(n, dtype=torch.bool)
+    blocks = _blocks(g, edges, alive)
+    c = time_s[live]
+    gain = c[:, None] - c[None, :]  # [j, i]
+    potential = c + sum((b.mean(1) for b in blocks), torch.zeros(n, dtype=torch.float64))
+    for b in blocks:
+        gain += _worst_difference(b)
     index = torch.arange(n)
+    first = (potential[:, None] < potential[None, :]) | (
+        (potential[:, None] == potential[None, :]) & (index[:, None] < index[None, :]))
+    beats = (gain <= 0) & first
+    if nbytes is not None:
+        m = nbytes[live]
+        beats &= m[:, None] <= m[None, :]
+    return live[beats.any(0)].tolist()
+
+
+def _worst_difference(b: torch.Tensor) -> torch.Tensor:
+    """[j, i] -> max over the columns r that i can meet of b[j, r] - b[i, r]."""
+    n, width = b.shape
+    out = torch.empty(n, n, dtype=torch.float64)
     step = max(1, MAX_CELLS // max(1, n * width))
+    reachable = b < INF
     for lo in range(0, n, step):  # j in [lo, lo + step) against every i
-        j = table[lo:lo + step]
-        no_larger = (j[:, None, :] <= table[None, :, :]).all(-1)  # [j, i]: j <= i everywhere
-        equal = (j[:, None, :] == table[None, :, :]).all(-1)
-        beaten |= (no_larger & (~equal | (index[lo:lo + step, None] < index[None, :]))).any(0)
-    return alive.nonzero().flatten()[beaten].tolist()
+        diff = b[lo:lo + step, None, :] - b[None, :, :]
+        diff = torch.where(reachable[None, :, :], diff, -INF)
+        out[lo:lo + step] = diff.max(-1).values
+    return out
