@@ -46,7 +46,7 @@ from autopar.passes.simulate_mesh import run_lockstep  # noqa: E402
 from autopar.passes.trace import flatten_inputs, trace  # noqa: E402
 from autopar.tools.simulated import loss_of  # noqa: E402
 
-CUDA = torch.device("cuda")  # --device cpu checks the script itself on a machine without one
+CUDA = torch.device("cuda", 0)  # --device cpu checks the script itself on a machine without one
 
 
 def llama(layers: int, hidden: int, vocab: int = 32000):
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: check the script itself (gloo, tiny sizes)")
     args = ap.parse_args()
     global CUDA
-    CUDA = torch.device(args.device)
+    CUDA = torch.device(args.device) if args.device != "cuda" else torch.device("cuda", 0)
     if CUDA.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu_step.py needs a CUDA device")
     warnings.simplefilter("ignore")

@@ -26,7 +26,7 @@ from autopar.tools.simulated import CHEAP_COMM, loss_of, simulate_against
 from tests import models
 
 pytestmark = pytest.mark.gpu
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)  # an index: init_process_group(device_id=...) wants one
 
 
 @pytest.fixture(scope="module")
