@@ -149,3 +149,41 @@ def _worst_difference(b: torch.Tensor) -> torch.Tensor:
         diff = torch.where(reachable[None, :, :], diff, -INF)
         out[lo:lo + step] = diff.max(-1).values
     return out
+
+
+# ---- after the solve: among equally fast choices, the smaller footprint -------------
+
+def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> dict[str, int]:
+    """`picks` with each group, in turn, moved to the choice with the fewest bytes among
+    those that cost no more time against its neighbours' picks (each move keeps the
+    plan's time and lowers its footprint). Under a budget the solver sees memory only as
+    a constraint, so which of two equally fast layouts it returns is arbitrary; this
+    makes it the smaller one."""
+    picks = dict(picks)
+    touching: dict[str, list] = {}
+    for edge in model.edges:
+        for end in (edge.producer, edge.consumer.name):
+            touching.setdefault(model.owner(model.groups[end].leader), []).append(edge)
+    copies: dict[str, list[str]] = {}
+    for g in model.leaders:
+        copies.setdefault(model.owner(g), []).append(g)
+    for g, mine in copies.items():
+        edges = list({id(e): e for e in touching.get(g, ())}.values())  # an edge between two copies once
+        def local(i: int) -> tuple[float, int]:
+            picks.update({h: i for h in mine})  # a trial, undone below unless it wins
+            time_s = sum(model.cost_s[h][i] for h in mine) + sum(_edge_s(e, model, picks, pricer) for e in edges)
+            return time_s, sum(model.nbytes[h][i] for h in mine)
+        now = picks[g]
+        now_s, now_bytes = local(now)
+        options = [(nbytes, i) for i, c in enumerate(model.cost_s[g]) if c < INF
+                   for time_s, nbytes in [local(i)] if time_s <= now_s and nbytes < now_bytes]
+        best = min(options)[1] if options else now
+        picks.update({h: best for h in mine})
+    return picks
+
+
+def _edge_s(edge, model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> float:
+    """R of `edge` under `picks`."""
+    mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
+    src = model.graph.node(edge.producer).strategies[mu.index_map[picks[mu.leader]]].outputs[edge.output]
+    return pricer.cost_s(src, edge.consumer.strategies[mv.index_map[picks[mv.leader]]], edge.position)

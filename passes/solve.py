@@ -35,7 +35,7 @@ from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverRep
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
-from autopar.passes.dominance import prune_dominated
+from autopar.passes.dominance import prefer_smaller, prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
 from autopar.passes.rules import Strategy
@@ -161,6 +161,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
         raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options))
     # 4. read the choice back
     picks = _picks(ilp, name, status, elapsed, options)
+    if budget is not None:  # memory counts: of equally fast layouts, the smaller
+        picks = prefer_smaller(model, picks, pricer)
     if status != "Optimal":
         status = f"{status} (time limit {options.time_limit_s} s)"
     objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
