@@ -3,12 +3,15 @@
     Plan + TracedGraph + rank -> rewrite (stage 5) -> schedule (stage 6) -> RankProgram(gm, input order, specs)
 
 The program takes its inputs in the traced graph's placeholder order: parameters,
-buffers, constants, then the user's tensor leaves, each as this rank's block."""
+buffers, constants, then the user's tensor leaves, each as this rank's block. It
+returns the new value of every buffer it writes (TracedGraph.buffer_updates) whole,
+then the user's outputs; buffer_blocks cuts this rank's block of each new value, which
+whoever runs the program stores in place of the old one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import fx
@@ -68,6 +71,18 @@ def local_inputs(program: RankProgram, state: Mapping[str, torch.Tensor], consta
                  or (gi.kind is NodeKind.USER_INPUT and (user_is_local or spec.is_replicated())))
         out.append(x if local else shard(x, spec, mesh_shape, program.coords))
     return out
+
+
+def buffer_blocks(program: RankProgram, traced: TracedGraph, outputs: Sequence[Any],
+                  mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """This rank's block of each buffer the program wrote, by state-dict name, under the
+    layout the buffer is fed in (its placeholder's spec). The output node asks for every
+    value replicated, so the plan has already gathered (and priced) any split new value,
+    and the block is a local slice: no communication, whatever the buffer's layout."""
+    specs = {gi.name: spec for gi, spec in zip(program.inputs, program.specs)}
+    new = traced.updated_buffers(outputs)
+    return {u.target: local_chunk(new[u.target].detach(), specs[u.placeholder], mesh_shape, program.coords)
+            for u in traced.buffer_updates}
 
 
 def shard(full: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar import _compat
-from autopar.passes.emit import emit, local_inputs
+from autopar.passes.emit import buffer_blocks, emit, local_inputs
 from autopar.passes.program import StepModule, WaitModule
 from autopar.core.mesh import Mesh
 from autopar.core.resharding import Step
@@ -122,15 +121,19 @@ def run_lockstep(programs: list[fx.GraphModule], mesh: Mesh, inputs: list[list[t
 
 
 def simulate(traced, plan, state: dict[str, torch.Tensor], user_tensors: list[torch.Tensor],
-             constants: dict | None = None) -> tuple[list[Any], list[dict[str, torch.Tensor]]]:
-    """Every rank's outputs, and every rank's local parameter leaves (requires_grad set
-    like the full ones, so a backward from the outputs fills their .grad)."""
+             constants: dict | None = None) -> tuple[list[Any], list[dict[str, torch.Tensor]],
+                                                     list[dict[str, torch.Tensor]]]:
+    """Every rank's output leaves (the model's own, as its out_spec flattens them), every
+    rank's local parameter leaves (requires_grad set like the full ones, so a backward
+    from the outputs fills their .grad), and every rank's new block of each buffer the
+    program writes (what the runtime stores after the call; passes/emit.buffer_blocks)."""
     mesh = plan.mesh
-    programs, inputs, leaves = [], [], []
+    programs, inputs, leaves, emitted = [], [], [], []
     detached = {name: t.detach() for name, t in state.items()}
     for r in range(mesh.size):
         prog = emit(traced, plan, mesh.coords(r))
         programs.append(prog.gm)
+        emitted.append(prog)
         local = local_inputs(prog, detached, constants or traced.constants, user_tensors, mesh.shape,
                              state_is_local=False)
         mine = {}
@@ -140,4 +143,5 @@ def simulate(traced, plan, state: dict[str, torch.Tensor], user_tensors: list[to
         inputs.append(local)
         leaves.append(mine)
     outs = run_lockstep(programs, mesh, inputs)
-    return [_compat.tree_flatten(o)[0] for o in outs], leaves
+    buffers = [buffer_blocks(prog, traced, o, mesh.shape) for prog, o in zip(emitted, outs)]
+    return [traced.user_outputs(o) for o in outs], leaves, buffers

@@ -6,10 +6,14 @@
    constants of the trace (a different constant is a different signature).
 2. torch.export the model behind a wrapper that takes only the tensor leaves, with
    transformers' KV cache switched off while it runs (the user's config is restored).
-3. Functionalise in-place writes to intermediate values, with the functional copy that
-   a slice write leaves spelled in differentiable ops.
+3. Functionalise in-place writes to intermediate values and buffers
+   (passes/functionalize.py), with the functional copy that a slice write leaves spelled
+   in differentiable ops.
 4. Read the graph signature: every placeholder is a parameter, buffer, constant or
-   user input; refuse graphs that write parameters, buffers or inputs.
+   user input; refuse graphs that write parameters or inputs. A write to a buffer is an
+   extra output (first in the output tuple), recorded as a BufferUpdate: the runtime
+   stores each rank's block of it after the call. Training batch norms become the ops
+   of their definition, so a batch split synchronises statistics (SyncBatchNorm).
 
 Steps 1-3 are export_program, step 4 traced_program; program_bytes and load_program
 carry a program from one process to another between the two (runtime/shipping.py: one
@@ -33,6 +37,7 @@ from autopar import _compat
 from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
+from autopar.passes.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
 from autopar.passes.higher_order import inline_grad_regions
 
 @dataclass(frozen=True)
@@ -47,6 +52,17 @@ class GraphInput:
 
 
 @dataclass(frozen=True)
+class BufferUpdate:
+    """Graph output `index` is the new value of buffer `target` (torch.export's
+    BUFFER_MUTATION output): after each call every rank stores its block of it, under
+    the layout of the buffer's placeholder `placeholder`."""
+
+    index: int
+    target: str  # state-dict name
+    placeholder: str
+
+
+@dataclass(frozen=True)
 class TracedGraph:
     gm: fx.GraphModule
     inputs: tuple[GraphInput, ...]
@@ -58,6 +74,17 @@ class TracedGraph:
     model_name: str
     training: bool
     input_paths: tuple[str, ...] = ()  # readable path of each tensor leaf: "kwargs['input_ids']"
+    buffer_updates: tuple[BufferUpdate, ...] = ()  # graph outputs that are new buffer values
+
+    def user_outputs(self, outputs: Any) -> list:
+        """The model's own output leaves among the program's outputs (its out_spec's),
+        without the new buffer values."""
+        updated = {u.index for u in self.buffer_updates}
+        return _compat.tree_flatten([o for i, o in enumerate(outputs) if i not in updated])[0]
+
+    def updated_buffers(self, outputs: Any) -> dict:
+        """The program's new value of each buffer it writes, by state-dict name."""
+        return {u.target: outputs[u.index] for u in self.buffer_updates}
 
 
 class Leaf(Enum):
@@ -156,8 +183,10 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
             "remove data-dependent Python control flow or pass example inputs that exercise one path.") from e
     # 3. in-place writes to intermediate values (masked_fill_, index_put_, a copy_ into a
     # slice) become functional ops (torch's functionalization): a sharded value that is
-    # resharded before an in-place op would otherwise lose the write for its other readers
-    if writes_intermediates(ep.graph_module):
+    # resharded before an in-place op would otherwise lose the write for its other readers;
+    # writes to buffers become outputs
+    buffers = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"}
+    if needs_functionalising(ep.graph_module, buffers):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecation notes
             ep = ep.run_decompositions({})
@@ -175,8 +204,10 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     name = type(model).__name__
     # 4. signature
     inputs = _graph_inputs(ep, name)
-    _refuse_state_writes(ep, inputs, name)
+    updates = _buffer_updates(ep, inputs, name)
+    sync_batch_norms(ep.graph_module)
     inputs = _rename_placeholders(ep.graph_module, inputs)
+    renamed = {gi.target: gi.name for gi in inputs if gi.kind is NodeKind.BUFFER}
     return TracedGraph(
         gm=ep.graph_module,
         inputs=inputs,
@@ -188,6 +219,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
         model_name=name,
         training=model.training,
         input_paths=_compat.tensor_leaf_paths((tuple(args), dict(kwargs))),
+        buffer_updates=tuple(BufferUpdate(i, target, renamed[target]) for i, target in updates),
     )
 
 
@@ -277,78 +309,33 @@ def _rename_placeholders(gm: fx.GraphModule, inputs: tuple[GraphInput, ...]) -> 
     return tuple(GraphInput(renamed.get(gi.name, gi.name), gi.kind, gi.target, gi.meta) for gi in inputs)
 
 
-def written_args(node: fx.Node) -> list[fx.Node]:
-    """Graph values an op writes in place, read from its schema's (a!) annotations."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if isinstance(value, fx.Node):
-            out.append(value)
-    return out
-
-
-def differentiable_copies(gm: fx.GraphModule) -> None:
-    """Functionalisation turns `dst[...] = src` into `slice_scatter(x, copy(dst, src))`;
-    `aten.copy` has no derivative, so training such a model fails in backward. Its value is
-    `src` cast to dst's dtype and broadcast to dst's shape, which these ops say with
-    derivatives (and rules): `clone(expand(_to_copy(src)))`, each step only where needed."""
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.copy.default:
-            continue
-        dst, src = node.args[0], node.args[1]
-        dst_val, value = dst.meta["val"], src.meta["val"]
-        with gm.graph.inserting_before(node):
-            if value.dtype != dst_val.dtype:
-                src = _new_node(gm, node, torch.ops.aten._to_copy.default, (src,), {"dtype": dst_val.dtype})
-                value = src.meta["val"]
-            if tuple(value.shape) != tuple(dst_val.shape):
-                src = _new_node(gm, node, torch.ops.aten.expand.default, (src, list(dst_val.shape)), {})
-            out = _new_node(gm, node, torch.ops.aten.clone.default, (src,), {})
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-    gm.recompile()
-
-
-def _new_node(gm: fx.GraphModule, like: fx.Node, target: Any, args: tuple, kwargs: dict) -> fx.Node:
-    """A call inserted in place of `like`, with its value computed on the fake inputs and
-    `like`'s source location (errors and the plan name the user's line)."""
-    node = gm.graph.call_function(target, args, kwargs)
-    vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-    node.meta = {k: v for k, v in like.meta.items() if k != "val"}
-    node.meta["val"] = target(*vals[0], **vals[1])
-    return node
-
-
-def writes_intermediates(gm: fx.GraphModule) -> bool:
-    return any(w.op != "placeholder" for node in gm.graph.nodes if node.op == "call_function"
-               for w in written_args(node))
-
-
-def _refuse_state_writes(ep: Any, inputs: tuple[GraphInput, ...], model_name: str) -> None:
-    """Each rank holds its own block of parameters, buffers and inputs, so an in-place
-    update of one (BatchNorm's running statistics, a counter) would silently diverge.
-    A write shows as an op that writes a placeholder in place or, where step 3
-    functionalised the graph (a write through a view), as an output that updates one."""
+def _buffer_updates(ep: Any, inputs: tuple[GraphInput, ...], model_name: str) -> list[tuple[int, str]]:
+    """(output index, buffer state-dict name) of each output that updates a buffer.
+    Each rank holds its own block of parameters and inputs, so an in-place update of one
+    would silently diverge: refused. A write shows as an op that writes a placeholder in
+    place or, where step 3 functionalised the graph, as an output that updates one; step 3
+    functionalises every write to a buffer, so buffers show only as outputs."""
     by_name = {gi.name: gi for gi in inputs}
     by_target = {gi.target: gi for gi in inputs if isinstance(gi.target, str)}
     writes = [(node, _state_name(by_name[value.name])) for node in ep.graph.nodes if node.op == "call_function"
               for value in written_args(node) if value.name in by_name]
     nodes = {n.name: n for n in ep.graph.nodes}
-    for spec in ep.graph_signature.output_specs:
-        if spec.kind.name != "USER_OUTPUT":
-            gi = by_name.get(spec.target) or by_target.get(_strip(spec.target or ""))
+    updates = []
+    for i, spec in enumerate(ep.graph_signature.output_specs):
+        if spec.kind.name == "USER_OUTPUT":
+            continue
+        gi = by_name.get(spec.target) or by_target.get(_strip(spec.target or ""))
+        if spec.kind.name == "BUFFER_MUTATION" and gi is not None and gi.kind is NodeKind.BUFFER:
+            updates.append((i, gi.target))
+        else:
             writes.append((nodes[spec.arg.name], _state_name(gi) if gi else f"{spec.target} ({spec.kind.name})"))
     if writes:
         node, what = writes[0]
         raise UnsupportedModelError(
             f"model {model_name} mutates {what} in place at {describe_node(node)}; "
-            "autopar does not parallelise in-place updates of parameters, buffers or inputs yet. "
-            "Call model.eval() (BatchNorm running statistics) or make the update functional.")
+            "autopar parallelises in-place updates of buffers, not of parameters or inputs: "
+            "make the update functional (return the new value) or keep that tensor as a buffer.")
+    return updates
 
 
 def _state_name(gi: GraphInput) -> str:

@@ -116,17 +116,43 @@ class WritesBuffer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.through_view:
-            self.count[0].fill_(1.0)  # a write through a view: functionalised, then refused
+            self.count[0].fill_(1.0)  # a write through a view: functionalised
         else:
             self.count.add_(1.0)
         return x + self.count
 
 
 @pytest.mark.parametrize("through_view", [False, True], ids=["direct", "through a view"])
-def test_a_write_to_a_buffer_is_refused_naming_it(through_view):
+def test_a_write_to_a_buffer_is_an_output_that_updates_it(through_view):
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
+    from autopar.tools.simulated import CHEAP_COMM, simulate_against
+
+    model, x = WritesBuffer(through_view).eval(), torch.randn(2, 4)  # no parameters: nothing to train
+    traced = trace(model, (x,))
+    assert [u.target for u in traced.buffer_updates] == ["count"]
+    assert traced.out_spec.num_leaves == 1  # the new value is not one of the model's outputs
+    plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
+    simulate_against(model, (x,), {}, traced, plan, context="buffer write")  # outputs and the new count
+    assert not model.count.any()  # the simulator ran on copies
+
+
+class WritesParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4), requires_grad=False)  # frozen, so eager allows the write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.mul_(0.5)
+        return x * self.weight
+
+
+def test_a_write_to_a_parameter_is_refused_naming_it():
     with pytest.raises(UnsupportedModelError) as err:
-        trace(WritesBuffer(through_view), (torch.randn(2, 4),))
-    assert "count" in str(err.value) and "WritesBuffer" in str(err.value) and "node " in str(err.value)
+        trace(WritesParameter(), (torch.randn(2, 4),))
+    msg = str(err.value)
+    assert "parameter weight" in msg and "WritesParameter" in msg and "node " in msg, msg
 
 
 class SliceWrite(nn.Module):

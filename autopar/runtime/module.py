@@ -11,7 +11,8 @@ A coordinator over small parts: groups.py (process groups per mesh axis), shippi
 (rank 0 traces, the others rebuild its graph), planner.py (rank 0 plans, every rank
 agrees), shards.py (this rank's parameters), measure.py (the profiling cost model),
 buckets.py (data-parallel gradient all-reduce), state.py (clipping, state dicts,
-checkpoints) and passes/emit.py (the program and its inputs).
+checkpoints) and passes/emit.py (the program, its inputs, and the blocks of the
+buffers it writes, which shards.store_buffers keeps after each call).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
-from autopar.passes.emit import RankProgram, emit, local_inputs, shard
+from autopar.passes.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
 from autopar.passes.planning import plan_annotated
 from autopar.passes.program import bind
 from autopar.passes.strategies import annotate
@@ -43,7 +44,7 @@ from autopar.runtime.groups import mesh_groups
 from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.runtime.planner import agreed_plan
 from autopar.runtime.shipping import shared_trace
-from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts
+from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers
 from autopar.runtime.state import ShardedStateMethods
 
 
@@ -107,7 +108,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             self._armed = compiled.buckets
         feed = self._feed(compiled, tensors, user_is_local=local_inputs)
         outputs = compiled.run(*feed)
-        return _compat.tree_unflatten(_compat.tree_flatten(outputs)[0], compiled.traced.out_spec)
+        store_buffers(self.state_tensors, buffer_blocks(compiled.program, compiled.traced, outputs, self.mesh.shape))
+        return _compat.tree_unflatten(compiled.traced.user_outputs(outputs), compiled.traced.out_spec)
 
     @property
     def input_specs(self) -> dict[str, Spec]:

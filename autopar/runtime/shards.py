@@ -11,6 +11,8 @@ when the first plan fixes their layouts.
    for tied names); this rank's block is cut from the full tensor, unless the model is
    on the meta device, where a load fills it later.
 3. Later plans (new input signatures) keep these layouts: they are pinned.
+4. After each call a buffer the program writes (BatchNorm's running statistics) takes
+   its new block in place (store_buffers).
 """
 
 from __future__ import annotations
@@ -88,6 +90,16 @@ def fill_shards(model: nn.Module, shards: dict[str, torch.Tensor], traced: Trace
                 shards[owner.target].data = shard(full.detach(), spec, plan.mesh.shape, coords)
         specs.update({target: spec for target in group})
     return specs
+
+
+def store_buffers(shards: dict[str, torch.Tensor], blocks: dict[str, torch.Tensor]) -> None:
+    """Write each new buffer block (passes/emit.buffer_blocks) into this rank's shard in
+    place, as the model's own in-place update would: an optimiser, a state dict or a
+    checkpoint taken after the call sees the new values. An eager model that saved a
+    buffer for backward and then wrote it would fail the same way here."""
+    with torch.no_grad():
+        for name, block in blocks.items():
+            shards[name].copy_(block)
 
 
 def pinned_layouts(specs: dict[str, Spec]) -> dict[str, tuple[Placement, ...]]:
