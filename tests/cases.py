@@ -438,3 +438,38 @@ def vocab_parallel_embedding(rank: int, world: int, mesh: tuple) -> dict:
     grads = _grad_pairs(pm, {k: p.grad for k, p in ref_model.named_parameters()}, rank)
     return {"reference": [ref_out.detach()], "parallel": [out.detach()], "grads": grads,
             "embedding": str(plan.node("embedding").outputs[0]), "weight": str(plan.node("p_embed_weight").outputs[0])}
+
+
+def batch_norm_training(rank: int, world: int, mesh: tuple, steps: int = 2) -> dict:
+    """TinyResNet with BatchNorm in training: SGD steps on the mesh and on one device from
+    the same start. Per step: outputs, this rank's gradients next to the reference's
+    blocks, and the full state (parameters, running statistics, num_batches_tracked)
+    from pm.full_state_dict next to the reference's; after the last step, this rank's
+    buffers in the sharded (checkpoint) state dict next to the reference's blocks."""
+    import copy
+    from autopar.core.placement import local_chunk
+    torch.manual_seed(0)
+    m = models.TinyResNet(norm="batch").train()
+    ref = copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, mesh=mesh, device=CHEAP_COMM)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    out: dict = {"outputs": [], "grads": [], "states": []}
+    for step in range(steps):
+        x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(10 + step))
+        y, ry = pm(x), ref(x)
+        _loss(y).backward()
+        _loss(ry).backward()
+        out["outputs"].append((y.detach(), ry.detach()))
+        out["grads"].append(_grad_pairs(pm, {k: p.grad for k, p in ref.named_parameters()}, rank))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        out["states"].append((pm.full_state_dict(), {k: v.clone() for k, v in ref.state_dict().items()}))
+    sharded, ref_state = pm.sharded_state_dict(), ref.state_dict()
+    out["sharded_buffers"] = {k: (sharded[k].to_local().clone(), local_chunk(ref_state[k], pm.state_specs[k], mesh,
+                                                                             pm.coords))
+                              for k, _ in ref.named_buffers()}
+    out["synced_means"] = sum(1 for n in pm.plan.nodes if n.op == "aten.mean.dim" and str(n.inputs[0]).startswith("S(0)"))
+    return out
