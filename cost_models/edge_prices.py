@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional, Protocol
 
 from autopar.core.placement import R, Spec
-from autopar.core.resharding import Step, Unreachable, reshard_steps, split_axes
+from autopar.core.resharding import Step, Unreachable, reshard_moves, reshard_steps, split_axes
 from autopar.cost_models.model import CostModel
 
 INF = float("inf")  # the cost of an unreachable reshard (and, in passes/ilp.py, of an impossible choice)
@@ -76,8 +76,9 @@ class EdgePricer:
         key = (src, dst)
         cost = self._cost.get(key)
         if cost is None:
-            steps = self.steps_between(src, dst)
-            cost = self._cost[key] = INF if steps is None else self.costs.steps_cost(steps).total_s
+            spec = self._specs[src]
+            moves = reshard_moves(spec, self._specs[dst[0]], dst[1])
+            cost = self._cost[key] = INF if moves is None else self.costs.moves_cost(moves, spec.meta).total_s
         return cost
 
     def steps(self, src: Spec, consumer: Layouts, position: int) -> Optional[tuple[Step, ...]]:

@@ -8,9 +8,10 @@ priority where it has an entry."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any, Callable, Optional
 
-from autopar.core.placement import Spec, TensorMeta
+from autopar.core.placement import Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step
 from autopar.cost_models import comm, compute
 from autopar.cost_models.devices import DeviceSpec, Link, preset
@@ -72,10 +73,10 @@ class CostModel:
         return Cost(compute_s=fwd)
 
     # ---- communication -------------------------------------------------------
-    def _collective_s(self, kind: str, step: Step) -> float:
+    def _collective_s(self, kind: str, step: Step, local: int) -> float:
+        """`local`: the bytes each rank holds before the step."""
         n = self.mesh_shape[step.axis]
         link = self.measured_links.get((step.axis, kind)) or self.link(step.axis)
-        local = step.before.local_nbytes(self.mesh_shape) if step.before is not None else 0
         if kind == "all_reduce":
             return comm.all_reduce_s(local, n, link)
         if kind == "all_gather":
@@ -93,11 +94,25 @@ class CostModel:
         raise ValueError(f"unknown collective kind {kind!r}")
 
     def step_cost(self, step: Step) -> Cost:
-        fwd = self._collective_s(step.kind, step)
+        if step.before is None:
+            return Cost(comm_s=self._step_s(step, 0, True))
+        meta = step.before.meta
+        return Cost(comm_s=self._step_s(step, step.before.local_nbytes(self.mesh_shape), meta.dtype.is_floating_point))
+
+    def _step_s(self, step: Step, local: int, differentiable: bool) -> float:
+        fwd = self._collective_s(step.kind, step, local)
         # integer and boolean values (ids, masks) carry no gradient: their backward never runs
-        differentiable = step.before is None or step.before.meta.dtype.is_floating_point
-        bwd = self._collective_s(step.backward, step) if self.training and differentiable else 0.0
-        return Cost(comm_s=fwd + bwd)
+        bwd = self._collective_s(step.backward, step, local) if self.training and differentiable else 0.0
+        return fwd + bwd
+
+    def moves_cost(self, moves: tuple[Step, ...], meta: TensorMeta) -> Cost:
+        """steps_cost of resharding.reshard_moves' steps for the tensor `meta` (the
+        planner prices ~10^4 of them and binds only the steps of the chosen plan)."""
+        total = 0.0
+        for s in moves:
+            shape = local_shape(s.before.placements, meta.shape, self.mesh_shape)
+            total += self._step_s(s, prod(shape) * meta.dtype.itemsize, meta.dtype.is_floating_point)
+        return Cost(comm_s=total)
 
     def steps_cost(self, steps: tuple[Step, ...]) -> Cost:
         total = Cost()

@@ -115,11 +115,7 @@ class Spec:
         return all(p == R for p in self.placements)
 
     def local_shape(self, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-        shape = list(self.meta.shape)
-        for axis, p in enumerate(self.placements):
-            if isinstance(p, Shard):
-                shape[p.dim] //= mesh_shape[axis]
-        return tuple(shape)
+        return local_shape(self.placements, self.meta.shape, mesh_shape)
 
     def local_nbytes(self, mesh_shape: tuple[int, ...]) -> int:
         return prod(self.local_shape(mesh_shape)) * self.meta.dtype.itemsize
@@ -136,6 +132,16 @@ class Spec:
             if isinstance(p, Shard) and not 0 <= p.dim < self.meta.ndim:
                 return False
         return True
+
+
+def local_shape(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+                ) -> tuple[int, ...]:
+    """The shape each rank holds of a tensor of global `shape` under `placements`."""
+    out = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            out[p.dim] //= mesh_shape[axis]
+    return tuple(out)
 
 
 def replicated(meta: TensorMeta, mesh_ndim: int) -> Spec:

@@ -89,13 +89,20 @@ def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
     The steps depend on the placements and the tensor's rank only, so they are planned
     once per such key (the planner asks for ~10^4 pairs) and bound to the tensor here.
     """
-    if src.meta != dst.meta:
-        raise ValueError(f"reshard between different tensors: {src.meta} vs {dst.meta}")
-    moves = _moves(src.placements, dst.placements, src.meta.ndim, tuple(grad_sync_axes))
+    moves = reshard_moves(src, dst, grad_sync_axes)
     if moves is None:
         raise Unreachable(f"no reshard path from {src} to {dst} for tensor {src.meta.shape}")
     return tuple(Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, s.backward, Spec(s.before.placements, src.meta))
                  for s in moves)
+
+
+def reshard_moves(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) -> Optional[tuple[Step, ...]]:
+    """reshard_steps without binding: each step's `before` has the right placements on a
+    stand-in tensor of the same rank (a cost model reads the bytes off the real one);
+    None when there is no path."""
+    if src.meta != dst.meta:
+        raise ValueError(f"reshard between different tensors: {src.meta} vs {dst.meta}")
+    return _moves(src.placements, dst.placements, src.meta.ndim, tuple(grad_sync_axes))
 
 
 @lru_cache(maxsize=None)
