@@ -102,16 +102,27 @@ def new_node(gm: fx.GraphModule, like: fx.Node, target: Any, args: tuple, kwargs
     return node
 
 
+# training batch norms after functionalisation -> (x, weight, bias, running_mean,
+# running_var, momentum, eps) of their arguments; outputs (out, save_mean, save_invstd,
+# then the new running mean and variance where the op keeps them)
+TRAINING_BATCH_NORMS = {
+    aten._native_batch_norm_legit_functional.default: lambda a: (a[5], a[:5] + a[6:8]),
+    aten._native_batch_norm_legit.no_stats: lambda a: (a[3], a[:3] + (None, None) + a[4:6]),
+}
+
+
 def sync_batch_norms(gm: fx.GraphModule) -> None:
-    """Step 3: every training `_native_batch_norm_legit_functional` (out, save_mean,
-    save_invstd, new_running_mean, new_running_var) replaced by the ops that define it."""
+    """Step 3: every training batch norm left by functionalisation replaced by the ops
+    that define it."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten._native_batch_norm_legit_functional.default:
+        unpack = TRAINING_BATCH_NORMS.get(node.target) if node.op == "call_function" else None
+        if unpack is None:
             continue
-        if not node.args[5]:  # training
+        training, args = unpack(tuple(node.args))
+        if not training:
             continue
         with gm.graph.inserting_before(node):
-            results = _batch_norm_ops(gm, node)
+            results = _batch_norm_ops(gm, node, *args)
         for user in list(node.users):  # getitem(node, k)
             user.replace_all_uses_with(results[user.args[1]])
             gm.graph.erase_node(user)
@@ -119,12 +130,12 @@ def sync_batch_norms(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _batch_norm_ops(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, ...]:
+def _batch_norm_ops(gm: fx.GraphModule, node: fx.Node, x: fx.Node, weight: Any, bias: Any, running_mean: Any,
+                    running_var: Any, momentum: float, eps: float) -> tuple[fx.Node, ...]:
     """The definition torch's own decomposition (native_batch_norm_helper) spells:
     mean and biased variance over every dim but the channels; output
     (x - mean) * rsqrt(var + eps) * weight + bias; running mean and (unbiased) variance
     moved by `momentum` towards this batch's."""
-    x, weight, bias, running_mean, running_var, _, momentum, eps = node.args
     val = x.meta["val"]
     channels = val.shape[1]
     dims = [0, *range(2, val.ndim)]
@@ -148,6 +159,8 @@ def _batch_norm_ops(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, ...]:
         out = op(aten._to_copy.default, out, dtype=val.dtype)
     save_mean = op(aten.view.default, mean, [channels])
     save_invstd = op(aten.view.default, invstd, [channels])
+    if running_mean is None:
+        return out, save_mean, save_invstd
     unbiased = op(aten.mul.Tensor, op(aten.view.default, var, [channels]), n / (n - 1))
     return (out, save_mean, save_invstd, _moved(op, running_mean, save_mean, momentum),
             _moved(op, running_var, unbiased, momentum))

@@ -98,3 +98,33 @@ def test_batch_norm_training_on_gloo_ranks_matches_one_device():
         assert int(res["states"][1][0]["stem.1.num_batches_tracked"]) == 2
         for name, (got, want) in res["sharded_buffers"].items():
             torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} sharded state dict {name}: {m}")
+
+
+class MixedNorms(torch.nn.Module):
+    """A norm without running statistics beside ones with them (then every training batch
+    norm is functionalised), and a BatchNorm1d over (N, C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.plain = torch.nn.BatchNorm2d(4, track_running_stats=False)
+        self.tracked = torch.nn.BatchNorm2d(4, momentum=0.3)
+        self.head = torch.nn.Linear(4, 6)
+        self.flat = torch.nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tracked(torch.relu(self.plain(self.conv(x))))
+        return self.flat(self.head(x.mean((2, 3))))
+
+
+def test_norms_with_and_without_running_statistics_match_one_device():
+    torch.manual_seed(0)
+    model = MixedNorms().train()
+    traced = trace(model, *_batches(1)[0])
+    assert sorted(u.target.split(".")[0] for u in traced.buffer_updates) == ["flat"] * 3 + ["tracked"] * 3
+    ops = {str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"}
+    assert not {o for o in ops if "batch_norm" in o}, ops
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
+    assert simulate_sgd_steps(model, _batches(2), traced, plan, lr=0.1, context="MixedNorms on (2,)") == 2
