@@ -148,6 +148,10 @@ def localize_call(target: Any, args: tuple, inputs: tuple, outputs: tuple, mesh_
     these input and output specs: shape arguments made local, and ops whose sharded form
     is another op (passes/local_ops.py) replaced."""
     args = localize_args(target, args, outputs, mesh_shape)
+    if target is aten.squeeze.default and inputs:
+        # squeeze() drops every unit dim, and a dim split to one element per rank is a unit
+        # dim locally: drop only the dims that are unit dims of the whole tensor
+        return aten.squeeze.dims, (args[0], [d for d, n in enumerate(inputs[0].meta.shape) if n == 1])
     if target is aten.embedding.default and inputs and inputs[0].shard_axes(0):
         if coords is None:
             raise ValueError("a vocabulary-split embedding needs the rank's mesh coordinates")

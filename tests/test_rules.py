@@ -171,3 +171,29 @@ def test_mean_gives_average_partial_and_sum_gives_sum_partial():
 
 def test_add_with_scalar_is_not_linear():
     assert all(not isinstance(p, Partial) for s in _count("add_scalar") for p in s.outputs[0].placements)
+
+
+class _SqueezeAll(torch.nn.Module):
+    """`squeeze()` with no dims over a batch split to one row per rank: locally the batch
+    dim has size 1 too, and must survive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score(x).squeeze() * 2.0
+
+
+def test_squeeze_without_dims_keeps_a_dim_split_to_one_element_per_rank():
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
+    from autopar.passes.trace import trace
+    from autopar.tools.simulated import CHEAP_COMM, simulate_against
+    model, x = _SqueezeAll().eval(), torch.randn(4, 8)
+    traced = trace(model, (x,))
+    plan = plan_traced(traced, Mesh((4,)), Options(device=CHEAP_COMM))[1]
+    squeeze = next(n for n in plan.nodes if n.name.startswith("squeeze"))
+    assert squeeze.outputs[0].placements == (Shard(0),), "the test needs the batch split four ways"
+    simulate_against(model, (x,), {}, traced, plan)
