@@ -141,17 +141,32 @@ def flatten_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any, 
 
 @contextmanager
 def kv_cache_off(model: nn.Module) -> Iterator[None]:
-    """transformers' `config.use_cache = False` while tracing; the user's value after."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "use_cache"):
-        yield
-        return
-    before = config.use_cache
-    config.use_cache = False
+    """transformers' `use_cache = False` while tracing, on every config the model holds (a
+    multimodal model's text config, a submodule's own config: a cache object in the
+    outputs is something torch.export cannot return); the user's values after."""
+    configs = _configs(model)
+    before = [(c, c.use_cache) for c in configs]
     try:
+        for c, _ in before:
+            c.use_cache = False
         yield
     finally:
-        config.use_cache = before
+        for c, value in before:
+            c.use_cache = value
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every transformers config reachable from the model's modules and their sub-configs
+    (attributes that are configs themselves: text_config, decoder, ...) with a use_cache."""
+    found: dict[int, Any] = {}
+    stack = [getattr(m, "config", None) for m in model.modules()]
+    while stack:
+        config = stack.pop()
+        if config is None or id(config) in found or not callable(getattr(config, "to_dict", None)):
+            continue
+        found[id(config)] = config
+        stack.extend(v for v in vars(config).values() if callable(getattr(v, "to_dict", None)))
+    return [c for c in found.values() if isinstance(getattr(c, "use_cache", None), bool)]
 
 
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,

@@ -219,3 +219,31 @@ def test_a_no_grad_region_is_inlined_and_lets_no_gradient_through():
     model.zero_grad()
     model(x).sum().backward()
     assert model.inner.weight.grad is None  # the reference: no gradient into the region
+
+
+class NestedCacheModel(nn.Module):
+    """A multimodal-style model: the cache switch lives in a sub-config (text_config) and in
+    a submodule's own config, as in transformers' *ForConditionalGeneration models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+        text, own = PretrainedConfig(), PretrainedConfig()
+        text.use_cache = own.use_cache = True
+        self.config = PretrainedConfig(text_config=text)
+        self.language_model = nn.Linear(8, 8)
+        self.language_model.config = own
+
+    def forward(self, x: torch.Tensor):
+        y = self.language_model(x)
+        if self.config.text_config.use_cache or self.language_model.config.use_cache:
+            return y, {"cache": [y * 2]}  # a cache torch.export would have to return
+        return (y,)
+
+
+def test_the_kv_cache_is_off_in_sub_configs_while_tracing_and_restored_after():
+    pytest.importorskip("transformers")
+    model = NestedCacheModel()
+    traced = trace(model, (torch.randn(2, 8),))
+    assert traced.out_spec.num_leaves == 1
+    assert model.config.text_config.use_cache is True and model.language_model.config.use_cache is True
