@@ -38,6 +38,7 @@ from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
 from autopar.passes.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
+from autopar.passes.custom_grad import custom_functions_applied
 from autopar.passes.higher_order import inline_grad_regions
 
 @dataclass(frozen=True)
@@ -159,13 +160,13 @@ def _configs(model: nn.Module) -> list[Any]:
     """Every transformers config reachable from the model's modules and their sub-configs
     (attributes that are configs themselves: text_config, decoder, ...) with a use_cache."""
     found: dict[int, Any] = {}
-    stack = [getattr(m, "config", None) for m in model.modules()]
+    stack = [c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None]
     while stack:
         config = stack.pop()
-        if config is None or id(config) in found or not callable(getattr(config, "to_dict", None)):
+        if id(config) in found:
             continue
         found[id(config)] = config
-        stack.extend(v for v in vars(config).values() if callable(getattr(v, "to_dict", None)))
+        stack.extend(v for v in getattr(config, "__dict__", {}).values() if callable(getattr(v, "to_dict", None)))
     return [c for c in found.values() if isinstance(getattr(c, "use_cache", None), bool)]
 
 
@@ -187,7 +188,7 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
     name = type(model).__name__
     # 2. export
     try:
-        with kv_cache_off(model):
+        with kv_cache_off(model), custom_functions_applied() as custom:
             ep = torch.export.export(wrapper, tuple(tensors), strict=False)
     except Exception as e:  # noqa: BLE001 - quote torch.export's reason, whatever its type
         reason = str(e).strip().splitlines()
@@ -196,6 +197,12 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
             f"torch.export could not trace model {name}: {type(e).__name__}: {head}\n"
             "autopar needs a model that torch.export.export(model, args, kwargs, strict=False) accepts; "
             "remove data-dependent Python control flow or pass example inputs that exercise one path.") from e
+    if custom and model.training:
+        raise TraceError(
+            f"model {name} applies custom autograd.Function {', '.join(custom)} while training; torch.export "
+            "records only a Function's forward, so its own backward would be replaced by the derivative of its "
+            "forward and the gradients would not be the model's. Plan it for inference (model.eval()), or "
+            "replace the Function by ordinary differentiable ops.")
     # 3. in-place writes to intermediate values (masked_fill_, index_put_, a copy_ into a
     # slice) become functional ops (torch's functionalization): a sharded value that is
     # resharded before an in-place op would otherwise lose the write for its other readers;

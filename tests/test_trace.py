@@ -272,9 +272,6 @@ class CustomBackward(nn.Module):
         return self.outer(_StraightThroughRound.apply(self.inner(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="torch.export (non-strict) records only an autograd.Function's forward ops: "
-                   "its own backward is lost and a training trace differentiates the forward instead; "
-                   "passes/trace.py must refuse such a training trace (or keep the backward)")
 def test_a_custom_autograd_function_backward_is_kept_or_the_training_trace_refused():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
@@ -292,3 +289,16 @@ def test_a_custom_autograd_function_backward_is_kept_or_the_training_trace_refus
     plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
     # with the backward lost, inner's gradients are zero on every rank (round's derivative)
     assert simulate_against(model, (x,), {}, traced, plan, context="custom backward") == 4
+
+
+def test_a_custom_autograd_function_traces_for_inference():
+    # the forward is what one device runs: only a training trace loses something
+    model, x = CustomBackward().eval(), torch.randn(4, 6, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(trace(model, (x,)).gm(*_graph_args(model, x))[0], model(x))
+
+
+def _graph_args(model: nn.Module, x: torch.Tensor) -> list:
+    traced = trace(model, (x,))
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    return [x if gi.kind is NodeKind.USER_INPUT else state[gi.target] for gi in traced.inputs]
