@@ -6,10 +6,12 @@
    (EdgePricer prices reshards on demand);
 2. group the nodes: followers join their leader's group; repeated blocks share
    variables (clustering);
-3. build the ILP over the groups (passes/ilp.py, whose docstring states the model: one
+3. drop the choices no optimal plan needs (passes/dominance.py: exact pruning), build
+   the ILP over the groups (passes/ilp.py, whose docstring states the model: one
    function per constraint family) and solve it for the least time within the memory
    budget; when no plan fits, solve it again for the least memory to report;
-4. read the leaders' choices back into a Plan.
+4. read the leaders' choices back into a Plan (under a budget, each group moved to the
+   smallest of its equally fast choices).
 
 Followers (Options.follow): a single-input op follows its producer, taking for each
 producer choice its cheapest strategy; getitem follows its tuple; a placeholder used

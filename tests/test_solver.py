@@ -165,3 +165,21 @@ def test_a_fresh_process_plans_without_a_word_on_stdout():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout == ""
+
+
+@pytest.mark.parametrize("budget", [None, 2**40])
+def test_dominance_pruning_keeps_the_objective_with_fewer_variables(monkeypatch, budget):
+    # passes/dominance.py claims pruning is exact: the ILP without it reaches the same
+    # optimum (stated tolerance 1e-9 relative: only the order of float sums differs);
+    # under a budget a choice must also need no more bytes to prune another
+    import autopar.passes.solve as solve_module
+    model = models.build("gpt2")
+    args, kwargs = models.inputs("gpt2", batch=2)
+    kw = dict(mesh=(2, 2), device=_cheap_comm(), memory_budget_bytes=budget)
+    pruned = _plan(model, args, kwargs, **kw)
+    monkeypatch.setattr(solve_module, "prune_dominated", lambda model, pricer, with_memory: model)
+    full = _plan(model, args, kwargs, **kw)
+    assert pruned.solver.status == full.solver.status == "Optimal"
+    assert pruned.solver.objective_s == pytest.approx(full.solver.objective_s, rel=1e-9)
+    assert pruned.total_s == pytest.approx(pruned.solver.objective_s, rel=1e-9)
+    assert pruned.solver.variables < full.solver.variables / 3, (pruned.solver.variables, full.solver.variables)
