@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from autopar.core.errors import UnsupportedModelError, describe_node
+from autopar.passes.functionalize import written_args
 
 _GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
 
@@ -50,9 +51,13 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
                                     f"({type(body).__name__}); autopar cannot inline it")
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    # a value the region writes in place is passed as itself: the write must reach it (and
+    # a write to a parameter or a buffer be seen by trace's checks), not a detached alias
+    written = {w for n in body.graph.nodes if n.op == "call_function" for w in written_args(n)}
     with gm.graph.inserting_before(call):
         for ph, value in zip(placeholders, inputs):
-            env[ph] = value if enabled or not _is_tensor(value) else _detached(gm, value)
+            keep = enabled or not _is_tensor(value) or ph in written
+            env[ph] = value if keep else _detached(gm, value)
         for node in body.graph.nodes:
             if node.op == "get_attr":  # a nested region's body: lift it onto gm under a fresh name
                 env[node] = _lifted(gm, body, node)

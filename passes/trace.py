@@ -207,13 +207,13 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
     # slice) become functional ops (torch's functionalization): a sharded value that is
     # resharded before an in-place op would otherwise lose the write for its other readers;
     # writes to buffers become outputs
+    inline_grad_regions(ep.graph_module)  # `with torch.no_grad():` inside forward, before the write checks
     buffers = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"}
     if needs_functionalising(ep.graph_module, buffers):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecation notes
             ep = ep.run_decompositions({})
         differentiable_copies(ep.graph_module)
-    inline_grad_regions(ep.graph_module)  # `with torch.no_grad():` inside forward
     return ep
 
 

@@ -302,3 +302,31 @@ def _graph_args(model: nn.Module, x: torch.Tensor) -> list:
     traced = trace(model, (x,))
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     return [x if gi.kind is NodeKind.USER_INPUT else state[gi.target] for gi in traced.inputs]
+
+
+class CountsInNoGrad(nn.Module):
+    def __init__(self, write_parameter: bool = False) -> None:
+        super().__init__()
+        self.proj, self.write_parameter = nn.Linear(8, 8), write_parameter
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.write_parameter:
+                self.proj.weight.mul_(0.5)  # a parameter written where autograd does not look
+            self.calls.add_(1)
+        return self.proj(x) * self.calls
+
+
+def test_a_write_inside_a_no_grad_region_is_a_buffer_update_or_refused():
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
+    from autopar.tools.simulated import CHEAP_COMM, simulate_against
+    model, x = CountsInNoGrad().train(), torch.randn(4, 8)
+    traced = trace(model, (x,))
+    assert [u.target for u in traced.buffer_updates] == ["calls"]
+    plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
+    simulate_against(model, (x,), {}, traced, plan, context="counter in no_grad")  # buffers compared too
+    with pytest.raises(UnsupportedModelError, match="proj.weight"):
+        trace(CountsInNoGrad(write_parameter=True).train(), (x,))
