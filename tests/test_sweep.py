@@ -185,3 +185,18 @@ def test_a_difference_that_float64_keeps_is_a_mismatch():
     with pytest.raises(_Stopped) as stopped:
         _simulate_and_compare(model, kwargs, traced, plan, ref, SweepOptions(mesh=MESH))
     assert stopped.value.outcome is Outcome.MISMATCH and "in float64 too" in stopped.value.cause
+
+
+def test_per_stage_dropout_lists_are_zeroed():
+    """CvT's drop_path_rate is a per-stage list ([0.0, 0.0, 0.1] by default): its last
+    stage's stochastic depth draws torch.rand in training, so the sweep's loss differed
+    from one device on every mesh. Every rate in such a list is zeroed, like a float rate."""
+    from autopar.tools.sweep_configs import shrink
+    c = tiny_config("cvt")
+    assert c.drop_path_rate == [0.0, 0.0, 0.0]
+    assert c.drop_rate == [0.0, 0.0, 0.0] and c.attention_drop_rate == [0.0, 0.0, 0.0]
+    # a per-layer dropout list is zeroed and keeps the new layer count; other lists are left alone
+    out = shrink({"num_hidden_layers": 4, "hidden_size": 256, "layer_dropout": [0.1, 0.2, 0.3, 0.4],
+                  "kernel_sizes": [3, 3, 3, 3]})  # (rates are no layer kinds)
+    assert out["layer_dropout"] == [0.0, 0.0] and out["num_hidden_layers"] == 2
+    assert out["kernel_sizes"] == [3, 3]

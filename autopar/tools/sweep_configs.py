@@ -177,6 +177,8 @@ def shrink(defaults: dict[str, Any]) -> dict[str, Any]:
                     value = [min(v, SHRINK[key]) if isinstance(v, int) else v for v in value]
                 if key not in out:
                     out[key] = _per_layer(value, new_layers)
+                elif isinstance(out[key], list) and len(out[key]) == layers:  # a zeroed per-layer dropout list
+                    out[key] = _per_layer(out[key], new_layers)
             elif key in out and isinstance(out[key], dict) and all(k.isdigit() for k in out[key]):
                 out[key] = {k: v for k, v in out[key].items() if int(k) < new_layers}
         for key in SHRINK:
@@ -209,6 +211,9 @@ def _shrunk(key: str, value: Any, hidden: int) -> Any:
         return {k: {**v, **shrink(v)} for k, v in value.items()}
     if isinstance(value, float) and any(w in key for w in DROPOUT_WORDS):
         return 0.0
+    if (isinstance(value, list) and any(isinstance(v, float) for v in value) and any(w in key for w in DROPOUT_WORDS)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        return [0.0] * len(value)  # per-stage rates (CvT's drop_path_rate [0, 0, 0.1]: stochastic depth)
     if key in INIT_STD and isinstance(value, float) and value > 0.02:
         return 0.02  # unit-variance weights give attention scores of ~1e3, whose softmax amplifies rounding
     target = SHRINK.get(key)
@@ -232,8 +237,8 @@ def _layer_count(defaults: dict[str, Any]) -> int:
 def _new_layer_count(defaults: dict[str, Any], layers: int) -> int:
     """Two layers, or one of each distinct kind a per-layer list names (up to four)."""
     kinds = 2
-    for value in defaults.values():
-        if isinstance(value, list) and len(value) == layers and layers:
+    for key, value in defaults.items():
+        if isinstance(value, list) and len(value) == layers and layers and not any(w in key for w in DROPOUT_WORDS):
             kinds = max(kinds, len(_distinct(value)))
     return min(kinds, 4, layers) if layers else 0
 
