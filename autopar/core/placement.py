@@ -124,14 +124,14 @@ class Spec:
         """True when every sharded dim divides evenly over the axes that split it."""
         if len(self.placements) != len(mesh_shape):
             return False
-        for d, size in enumerate(self.meta.shape):
-            ways = prod(mesh_shape[a] for a in self.shard_axes(d))
-            if ways > 1 and (size % ways != 0 or size < ways):
-                return False
-        for p in self.placements:
-            if isinstance(p, Shard) and not 0 <= p.dim < self.meta.ndim:
-                return False
-        return True
+        shape = self.meta.shape
+        ways: dict[int, int] = {}  # sharded dim -> the ranks that split it
+        for a, p in enumerate(self.placements):
+            if type(p) is Shard:
+                if not 0 <= p.dim < len(shape):
+                    return False
+                ways[p.dim] = ways.get(p.dim, 1) * mesh_shape[a]
+        return all(w <= 1 or (shape[d] % w == 0 and shape[d] >= w) for d, w in ways.items())
 
 
 def local_shape(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]

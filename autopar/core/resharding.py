@@ -72,11 +72,20 @@ def _kept_shards(cur: Spec, dst: Spec) -> set[int]:
     """Axes whose shard survives: per dim, the source's shard axes must be a prefix of
     the target's, otherwise the nesting order would be wrong and they are regathered."""
     kept: set[int] = set()
-    for d in range(cur.meta.ndim):
-        src_axes, dst_axes = cur.shard_axes(d), dst.shard_axes(d)
-        if src_axes and dst_axes[: len(src_axes)] == src_axes:
+    dst_axes = _axes_by_dim(dst.placements)
+    for d, src_axes in _axes_by_dim(cur.placements).items():
+        if dst_axes.get(d, ())[: len(src_axes)] == src_axes:
             kept.update(src_axes)
     return kept
+
+
+def _axes_by_dim(placements: tuple[Placement, ...]) -> dict[int, tuple[int, ...]]:
+    """Per sharded dim, the mesh axes that split it, outermost first (Spec.shard_axes of each dim)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for a, p in enumerate(placements):
+        if type(p) is Shard:
+            out[p.dim] = out.get(p.dim, ()) + (a,)
+    return out
 
 
 def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) -> tuple[Step, ...]:
@@ -100,7 +109,7 @@ def reshard_moves(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
     """reshard_steps without binding: each step's `before` has the right placements on a
     stand-in tensor of the same rank (a cost model reads the bytes off the real one);
     None when there is no path."""
-    if src.meta != dst.meta:
+    if src.meta is not dst.meta and src.meta != dst.meta:
         raise ValueError(f"reshard between different tensors: {src.meta} vs {dst.meta}")
     return _moves(src.placements, dst.placements, src.meta.ndim, tuple(grad_sync_axes))
 
