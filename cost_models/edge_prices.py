@@ -9,9 +9,10 @@ while reading that input as R (autopar/core/resharding.py): their backward all-r
 
 from __future__ import annotations
 
+from math import prod
 from typing import Optional, Protocol
 
-from autopar.core.placement import R, Spec
+from autopar.core.placement import R, Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step, Unreachable, reshard_moves, reshard_steps, split_axes
 from autopar.cost_models.model import CostModel
 
@@ -43,9 +44,13 @@ class EdgePricer:
         self.costs = costs
         self._number: dict[Spec, int] = {}  # spec (by value) -> its number
         self._specs: list[Spec] = []  # number -> spec
+        self._layout: list[int] = []  # spec number -> the number of its placements
+        self._layouts: dict[tuple, int] = {}
         self._seen: dict[int, tuple[object, object]] = {}  # id(obj) -> (obj, memo): holding obj keeps its id its own
         self._steps: dict[tuple[int, DstKey], Optional[tuple[Step, ...]]] = {}
         self._cost: dict[tuple[int, DstKey], float] = {}
+        self._moves: dict[tuple, Optional[tuple[Step, ...]]] = {}  # (layouts, ndim, grad-sync axes) -> moves
+        self._step_s: dict[tuple[int, int, bool], float] = {}  # (id of a held step, local bytes, differentiable)
 
     def spec_id(self, spec: Spec) -> int:
         hit = self._seen.get(id(spec))
@@ -53,6 +58,7 @@ class EdgePricer:
             n = self._number.setdefault(spec, len(self._number))
             if n == len(self._specs):
                 self._specs.append(spec)
+                self._layout.append(self._layouts.setdefault(spec.placements, len(self._layouts)))
             hit = self._seen[id(spec)] = (spec, n)
         return hit[1]
 
@@ -76,10 +82,29 @@ class EdgePricer:
         key = (src, dst)
         cost = self._cost.get(key)
         if cost is None:
-            spec = self._specs[src]
-            moves = reshard_moves(spec, self._specs[dst[0]], dst[1])
-            cost = self._cost[key] = INF if moves is None else self.costs.moves_cost(moves, spec.meta).total_s
+            spec, to = self._specs[src], self._specs[dst[0]]
+            moves_key = (self._layout[src], self._layout[dst[0]], spec.meta.ndim, dst[1])
+            if spec.meta is not to.meta and spec.meta != to.meta:
+                raise ValueError(f"reshard between different tensors: {spec.meta} vs {to.meta}")
+            moves = self._moves.get(moves_key, ())
+            if moves == ():
+                moves = self._moves[moves_key] = reshard_moves(spec, to, dst[1])
+            cost = self._cost[key] = INF if moves is None else self._moves_s(moves, spec.meta)
         return cost
+
+    def _moves_s(self, moves: tuple[Step, ...], meta: TensorMeta) -> float:
+        """CostModel.moves_cost(moves, meta).total_s, each step's seconds memoised on its
+        local bytes (the moves are held in self._moves, so their steps' ids stay theirs)."""
+        total = 0.0
+        mesh, itemsize, differentiable = self.costs.mesh_shape, meta.dtype.itemsize, meta.dtype.is_floating_point
+        for s in moves:
+            local = prod(local_shape(s.before.placements, meta.shape, mesh)) * itemsize
+            key = (id(s), local, differentiable)
+            step_s = self._step_s.get(key)
+            if step_s is None:
+                step_s = self._step_s[key] = self.costs.step_s(s, local, differentiable)
+            total += step_s
+        return total
 
     def steps(self, src: Spec, consumer: Layouts, position: int) -> Optional[tuple[Step, ...]]:
         return self.steps_between(self.spec_id(src), self.dst_key(consumer, position))

@@ -76,7 +76,7 @@ class CostModel:
     def _collective_s(self, kind: str, step: Step, local: int) -> float:
         """`local`: the bytes each rank holds before the step."""
         n = self.mesh_shape[step.axis]
-        link = self.measured_links.get((step.axis, kind)) or self.link(step.axis)
+        link = (self.measured_links.get((step.axis, kind)) if self.measured_links else None) or self.link(step.axis)
         if kind == "all_reduce":
             return comm.all_reduce_s(local, n, link)
         if kind == "all_gather":
@@ -99,6 +99,10 @@ class CostModel:
         meta = step.before.meta
         return Cost(comm_s=self._step_s(step, step.before.local_nbytes(self.mesh_shape), meta.dtype.is_floating_point))
 
+    def step_s(self, step: Step, local: int, differentiable: bool) -> float:
+        """Seconds of `step` (forward, and backward in training) on `local` bytes per rank."""
+        return self._step_s(step, local, differentiable)
+
     def _step_s(self, step: Step, local: int, differentiable: bool) -> float:
         fwd = self._collective_s(step.kind, step, local)
         # integer and boolean values (ids, masks) carry no gradient: their backward never runs
@@ -109,9 +113,10 @@ class CostModel:
         """steps_cost of resharding.reshard_moves' steps for the tensor `meta` (the
         planner prices ~10^4 of them and binds only the steps of the chosen plan)."""
         total = 0.0
+        itemsize, differentiable = meta.dtype.itemsize, meta.dtype.is_floating_point
         for s in moves:
             shape = local_shape(s.before.placements, meta.shape, self.mesh_shape)
-            total += self._step_s(s, prod(shape) * meta.dtype.itemsize, meta.dtype.is_floating_point)
+            total += self._step_s(s, prod(shape) * itemsize, differentiable)
         return Cost(comm_s=total)
 
     def steps_cost(self, steps: tuple[Step, ...]) -> Cost:
