@@ -26,7 +26,9 @@ classes on the other end can make more choices dominated.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 
@@ -39,8 +41,26 @@ MAX_CELLS = 1 << 24  # compare at most this many profile entries at once (a few 
 def prune_dominated(model: IlpModel, pricer: EdgePricer, with_memory: bool) -> IlpModel:
     """`model` with its dominated choices made impossible (module docstring); `with_memory`:
     a choice must also need no more bytes to dominate."""
+    with _one_thread():
+        return _prune(model, pricer, with_memory)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The comparisons are many small tensor ops: torch's intra-op threads only add
+    synchronisation, and on a loaded machine their spin-waits cost several times the
+    work (gemma3_text on (2, 4): 13 s of max() on 2 busy cores, 0.4 s on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool) -> IlpModel:
     time_s, nbytes = _own_terms(model)
-    edges = _edge_tables(model, pricer)
+    edges = _by_group(_edge_tables(model, pricer))
     alive = {g: torch.tensor([c < INF for c in model.cost_s[g]]) for g in time_s}
     while True:
         pruned = {g: _beaten(g, time_s[g], nbytes[g] if with_memory else None, edges, alive) for g in time_s}
@@ -93,29 +113,41 @@ def _edge_tables(model: IlpModel, pricer: EdgePricer) -> list[EdgeTable]:
 
 
 def _class_of(classes: dict, n: int) -> torch.Tensor:
-    out = torch.zeros(n, dtype=torch.long)
+    out = [0] * n
     for k, choices in enumerate(classes.values()):
-        out[choices] = k
+        for i in choices:
+            out[i] = k
+    return torch.tensor(out, dtype=torch.long)
+
+
+Touching = dict[str, list[tuple[EdgeTable, bool]]]  # group -> (table, g produces on it), in table order
+
+
+def _by_group(tables: list[EdgeTable]) -> Touching:
+    out: Touching = {}
+    for t in tables:
+        out.setdefault(t.producer, []).append((t, True))
+        out.setdefault(t.consumer, []).append((t, False))
     return out
 
 
-def _blocks(g: str, edges: list[EdgeTable], alive: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _blocks(g: str, edges: Touching, alive: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Per edge touching g: each of g's live choices' row (or column) of R against the
     classes the other end can still pick."""
     out = []
-    for t in edges:
-        if t.producer == g:
+    for t, produces in edges.get(g, ()):
+        if produces:
             live = torch.zeros(t.prices.shape[1], dtype=torch.bool)
             live[t.dst_class[alive[t.consumer]]] = True
             out.append(t.prices[t.src_class[alive[g]]][:, live])
-        if t.consumer == g:
+        else:
             live = torch.zeros(t.prices.shape[0], dtype=torch.bool)
             live[t.src_class[alive[t.producer]]] = True
             out.append(t.prices.T[t.dst_class[alive[g]]][:, live])
     return [b for b in out if b.shape[1]]
 
 
-def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: list[EdgeTable],
+def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
             alive: dict[str, torch.Tensor]) -> list[int]:
     """g's live choices that another live choice beats (module docstring)."""
     live = alive[g].nonzero().flatten()
