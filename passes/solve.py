@@ -34,6 +34,7 @@ from autopar.core.kinds import NodeKind
 from autopar.core.options import Options
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverReport
+from autopar.core.placement import Spec
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
@@ -72,7 +73,7 @@ def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, follow: bool, store_
     block_of = block_of or {}
     groups: dict[str, Member] = {}
     for n in graph.nodes:
-        groups[n.name] = _forward_member(n, graph, groups, follow, block_of)
+        groups[n.name] = _forward_member(n, graph, groups, follow, block_of, pricer)
     if follow and store_as_read:
         uses: dict[str, list[tuple[str, int]]] = {}
         for n in graph.nodes:
@@ -90,8 +91,16 @@ def _identity(n: PlannedNode) -> Member:
     return Member(n.name, tuple(range(len(n.strategies))))
 
 
+def _by_spec(specs: list[Spec], pricer: EdgePricer) -> dict[int, list[int]]:
+    """Numbered spec -> the indices in `specs` of the specs equal to it."""
+    out: dict[int, list[int]] = {}
+    for j, spec in enumerate(specs):
+        out.setdefault(pricer.spec_id(spec), []).append(j)
+    return out
+
+
 def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Member], follow: bool,
-                    block_of: dict[str, tuple[str, int]]) -> Member:
+                    block_of: dict[str, tuple[str, int]], pricer: EdgePricer) -> Member:
     """A single-input op whose layout is fixed by its producer's (exactly one strategy
     reads the producer's output as it is, for every producer choice) joins its group."""
     is_getitem = n.kind is NodeKind.GETITEM
@@ -104,13 +113,13 @@ def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Mem
     if block_of.get(u) != block_of.get(n.name):
         return _identity(n)
     lead = groups[u]
+    reading = _by_spec([s.inputs[0] for s in n.strategies], pricer)
     index = []
     for pi in lead.index_map:
         if pi < 0:
             index.append(-1)
             continue
-        src = producer.strategies[pi].outputs[k]
-        exact = [j for j, s in enumerate(n.strategies) if s.inputs[0] == src]
+        exact = reading.get(pricer.spec_id(producer.strategies[pi].outputs[k]), [])
         if is_getitem and exact:
             index.append(exact[0])
         elif len(exact) == 1:
@@ -126,13 +135,13 @@ def _backward_member(p: PlannedNode, consumer: str, position: int, graph: Annota
                      groups: dict[str, Member], pricer: EdgePricer) -> Member:
     v = graph.node(consumer)
     lead = groups[consumer]
+    stored = _by_spec([s.outputs[0] for s in p.strategies], pricer)
     index = []
     for vi in lead.index_map:
         if vi < 0:
             index.append(-1)
             continue
-        wanted = v.strategies[vi].inputs[position]
-        exact = [j for j, s in enumerate(p.strategies) if s.outputs[0] == wanted]
+        exact = stored.get(pricer.spec_id(v.strategies[vi].inputs[position]), [])
         if exact:  # stored as read: no reshard, and the least memory
             index.append(exact[0])
             continue
@@ -152,7 +161,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     # 2. groups, and the variables repeated blocks share
     groups, blocks = _groups_and_blocks(graph, pricer, options)
     budget = options.memory_budget_bytes
-    model = ilp_model(graph, groups, pricer, node_costs(graph, costs), memory, blocks.rep)
+    compute = node_costs(graph, costs)
+    model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep)
     model = prune_dominated(model, pricer, with_memory=budget is not None)
     # 3. the least time within the budget
     ilp = build_ilp(model, pricer, time_objective, budget)
@@ -170,7 +180,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
     report = SolverReport(name, status, objective_s, gap(ilp.prob), elapsed, ilp.variables.count,
                           ilp.prob.numConstraints(), ilp.variables.groups, blocks.shared_blocks)
-    return read_plan(graph, groups, picks, pricer, costs, report, memory)
+    return read_plan(graph, groups, picks, pricer, costs, report, memory, compute)
 
 
 def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Options
@@ -221,17 +231,18 @@ def _picks(ilp: Ilp, name: str, status: str, elapsed: float, options: Options) -
 
 # ---- 4. read back -----------------------------------------------------------------
 
-def _alternative(n: PlannedNode, alt: Strategy, chosen: dict[str, Strategy],
-                 consumers: dict[str, list[tuple[PlannedNode, int, int]]], pricer: EdgePricer,
-                 costs: CostModel) -> Alternative:
-    compute_s = costs.op_cost(n.call.target, alt.inputs, alt.outputs).compute_s if n.call is not None else 0.0
+def _alternative(n: PlannedNode, alt: Strategy, compute_s: float, chosen: dict[str, Strategy],
+                 consumers: dict[str, list[tuple[PlannedNode, int, int]]], pricer: EdgePricer) -> Alternative:
     into = sum(pricer.cost_s(chosen[u].outputs[k], alt, pos) for pos, (u, k) in enumerate(n.inputs))
     out_of = sum(pricer.cost_s(alt.outputs[k], chosen[v.name], pos) for v, pos, k in consumers.get(n.name, ()))
     return Alternative(alt.inputs, alt.outputs, compute_s, into, out_of)
 
 
 def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
-              costs: CostModel, report: SolverReport, memory: dict[str, list[int]]) -> Plan:
+              costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
+              compute: Optional[dict[str, list[float]]] = None) -> Plan:
+    """`compute`: node_costs(graph, costs), when the caller has it."""
+    compute = compute or node_costs(graph, costs)
     chosen: dict[str, Strategy] = {}
     for n in graph.nodes:
         m = groups[n.name]
@@ -246,9 +257,10 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             consumers.setdefault(u, []).append((n, pos, k))
     for n in graph.nodes:
         s = chosen[n.name]
-        c = costs.op_cost(n.call.target, s.inputs, s.outputs).compute_s if n.call is not None else 0.0
+        c = compute[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
         compute_total += c
-        options = tuple(_alternative(n, alt, chosen, consumers, pricer, costs) for alt in n.strategies)
+        options = tuple(_alternative(n, alt, compute[n.name][i], chosen, consumers, pricer)
+                        for i, alt in enumerate(n.strategies))
         nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
                                 groups[n.name].leader, n.kind))
         nbytes = memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
