@@ -200,3 +200,23 @@ def test_per_stage_dropout_lists_are_zeroed():
                   "kernel_sizes": [3, 3, 3, 3]})  # (rates are no layer kinds)
     assert out["layer_dropout"] == [0.0, 0.0] and out["num_hidden_layers"] == 2
     assert out["kernel_sizes"] == [3, 3]
+
+
+@pytest.mark.parametrize("arch", ["wav2vec2", "parakeet_ctc"])
+def test_speech_inputs_run_one_training_step(arch):
+    """The speech sweep's inputs come from the model's main_input_name and config: raw
+    waves long enough for the conv feature encoder (wav2vec2: the old 9 frames were
+    shorter than the SpecAugment mask of 10), or (batch, frames, mel) input_features
+    (parakeet), with CTC labels inside the vocabulary. SpecAugment is off, so two
+    training forwards give the same loss."""
+    from autopar.tools.sweep_configs import Tiny
+    model, kwargs = Tiny(arch, architectures(Task.SPEECH)[arch], Task.SPEECH, training=True).build()
+    assert model.training and "labels" in kwargs
+    assert ("input_values" if arch == "wav2vec2" else "input_features") in kwargs
+    if arch == "wav2vec2":
+        assert not model.config.apply_spec_augment and model.config.mask_time_prob == 0.0
+    else:
+        assert kwargs["input_features"].dim() == 3 and "attention_mask" in kwargs
+    losses = [model(**kwargs).loss for _ in range(2)]
+    assert torch.isfinite(losses[0]) and torch.equal(losses[0], losses[1])
+    losses[0].backward()

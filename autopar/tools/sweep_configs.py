@@ -8,8 +8,10 @@ architecture's own defaults, and example inputs for them (random weights, no dow
 2. Shrink every field whose name says what it is (SHRINK: layers, widths, heads, experts,
    vocabulary, positions, windows, state sizes) to one small value per kind, keeping the
    widths consistent (hidden 64 = 4 heads x 16).
-3. Zero every dropout and router noise (the sweep compares against one device exactly),
+3. Zero every dropout, router noise and speech SpecAugment mask probability (the sweep
+   compares against one device exactly),
    and keep initial weights small (std 0.02), so rounding is not amplified into a mismatch.
+   Speech inputs: sweep_inputs.py.
 4. Per-layer lists (layer_types and the like) keep one layer of each distinct kind.
 5. Special token ids move inside the small vocabulary (highest ids first).
 6. Nested configs (text_config, vision_config, ...) shrink the same way.
@@ -19,7 +21,6 @@ The config is then built again from the overrides, so derived fields are recompu
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -102,6 +103,7 @@ RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 TIES = (("head_dim", "qk_rope_head_dim"), ("rotary_dim", "head_dim"))
 INIT_STD = ("init_std", "initializer_range")
 DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "drop_path", "jitter", "drop_rate")
+SPEC_AUGMENT = ("mask_time_prob", "mask_feature_prob")  # speech masks drawn at random in training
 
 # model_type (or model class name) -> config values applied after the generic shrink (the
 # only hand-written part)
@@ -125,6 +127,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, chunk_size=4),
     "zamba2": dict(mamba_headdim=16, n_mamba_heads=8, chunk_size=4),
     "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_chunk_size=4),
+    "audio-spectrogram-transformer": dict(max_length=64),  # spectrogram frames (1024: 1.2k patches)
 }
 
 
@@ -209,8 +212,12 @@ def _shrunk(key: str, value: Any, hidden: int) -> Any:
     if isinstance(value, dict) and value and all(isinstance(k, str) and k.isdigit() and isinstance(v, dict)
                                                  for k, v in value.items()):  # per-layer overrides
         return {k: {**v, **shrink(v)} for k, v in value.items()}
-    if isinstance(value, float) and any(w in key for w in DROPOUT_WORDS):
+    if isinstance(value, float) and any(w in key for w in DROPOUT_WORDS + SPEC_AUGMENT):
         return 0.0
+    if key == "apply_spec_augment":
+        return False
+    if key == "conv_dim" and _int_list(value):
+        return [min(v, HIDDEN) for v in value]  # speech conv feature encoder channels
     if (isinstance(value, list) and any(isinstance(v, float) for v in value) and any(w in key for w in DROPOUT_WORDS)
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
         return [0.0] * len(value)  # per-stage rates (CvT's drop_path_rate [0, 0, 0.1]: stochastic depth)
@@ -339,21 +346,12 @@ def example_inputs(task: Task, config: Any, model_class: str, batch: int = 4, se
         return {"pixel_values": torch.randn(batch, channels, size, size, generator=g),
                 "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
     if task is Task.SPEECH:
-        samples = _speech_samples(config)
-        waves = torch.randn(batch, samples, generator=g)
-        if model_class.endswith("ForCTC"):  # 4 target tokens per example, blank (0) excluded
-            return {"input_values": waves, "labels": torch.randint(1, config.vocab_size, (batch, 4), generator=g)}
-        return {"input_values": waves, "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
+        from autopar.tools.sweep_inputs import speech_inputs
+        return speech_inputs(config, model_class, batch, g)
     text = text_config_of(config)
     allowed = torch.tensor(sorted(set(range(text.vocab_size)) - special_token_ids(config)))
     ids = allowed[torch.randint(0, len(allowed), (batch, seq), generator=g)]
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def _speech_samples(config: Any) -> int:
-    """Raw audio long enough for a few frames after the convolutional feature encoder."""
-    strides = getattr(config, "conv_stride", None) or [320]
-    return int(math.prod(strides)) * 8 + 400
 
 
 MAX_PARAMS = 20_000_000  # a shrunk model bigger than this did not shrink
