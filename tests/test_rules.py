@@ -42,6 +42,8 @@ CASES = {
                                                   False, 0.1, 1e-5, False), {}),
     "batch_norm_batch_stats": (aten.batch_norm.default, (rnd(4, 4, 6, 6), rnd(4), rnd(4), None, None, True, 0.1,
                                                          1e-5, False), {}),
+    "weight_norm": (aten._weight_norm.default, (rnd(8, 4, 6), rnd(1, 1, 6), 2), {}),
+    "weight_norm_dim0": (aten._weight_norm.default, (rnd(8, 4, 6), rnd(8, 1, 1), 0), {}),
     "group_norm": (aten.group_norm.default, (rnd(4, 4, 6, 6), 2, rnd(4), rnd(4), 1e-5, False), {}),
     "mm": (aten.mm.default, (rnd(4, 8), rnd(8, 4)), {}),
     "addmm": (aten.addmm.default, (rnd(4), rnd(8, 4), rnd(4, 4)), {}),

@@ -6,8 +6,9 @@ config (re-exported through sweep_configs.example_inputs).
   more than any SpecAugment mask length or positional conv kernel.
 - Spectrograms (the config or a sub-config names a feature size, FEATURE_SIZE) are
   (batch, FEATURES_FRAMES, features), whatever the input's name.
-- CTC heads get LABEL_LEN target ids inside the vocabulary, special ids (the blank) excluded;
-  classification heads one label in range(num_labels).
+- CTC heads get no labels (torch.export cannot trace the CTC loss: a data-dependent
+  output shape, and transformers' Python check of labels.max()); classification heads
+  one label in range(num_labels).
 - SPEECH_FORMS is the one table of per-family exceptions to these input shapes.
 """
 
@@ -19,7 +20,6 @@ import torch
 
 FRAMES = 32  # encoder frames after a waveform's conv feature encoder
 FEATURES_FRAMES = 64  # spectrogram frames (subsampled 4-8x by the feature models)
-LABEL_LEN = 4  # CTC target tokens per example
 # config fields that name the spectrogram's feature size, first found wins
 FEATURE_SIZE = ("num_mel_bins", "feature_projection_input_dim", "input_feat_per_channel", "feature_size")
 
@@ -44,7 +44,6 @@ def speech_inputs(config: Any, model_class: str, batch: int, g: torch.Generator)
     """Inputs and labels of one speech model (see the module docstring)."""
     import transformers
 
-    from autopar.tools.sweep_configs import special_token_ids
     cls = getattr(transformers, model_class, None)
     name = getattr(cls, "main_input_name", None) or "input_values"
     form = SPEECH_FORMS.get(config.model_type, {})
@@ -62,10 +61,11 @@ def speech_inputs(config: Any, model_class: str, batch: int, g: torch.Generator)
     if "mask" in form:
         inputs[form["mask"]] = torch.ones(batch, length, dtype=torch.long)
     if model_class.endswith("ForCTC"):
-        allowed = torch.tensor(sorted(set(range(1, config.vocab_size)) - special_token_ids(config)))
-        inputs["labels"] = allowed[torch.randint(0, len(allowed), (batch, LABEL_LEN), generator=g)]
-    else:
-        inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        # no labels: the CTC loss cannot be exported (aten._ctc_loss has a data-dependent
+        # output shape, and transformers checks labels.max() in Python first); the sweep
+        # differentiates the mean square of the logits instead (simulated.loss_of)
+        return inputs
+    inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
     return inputs
 
 

@@ -30,6 +30,22 @@ def layer_norm(call: OpCall) -> list[AxisRule]:
     return rules
 
 
+@register(aten._weight_norm.default)
+def weight_norm(call: OpCall) -> list[AxisRule]:
+    # _weight_norm(v, g, dim) = v * g / ||v||, the norm over every dim but `dim` (g has
+    # size 1 there): each slice along `dim` is normalised alone, so v and g split along it
+    # together; any other split of v would cut the norm's sum. dim -1 is the whole tensor.
+    # (A hand rule, not discovery: the kernel does not check that v and g agree, and a
+    # mismatched trial split corrupts the heap instead of raising.)
+    v = call.inputs[0]
+    dim = call.arg(2, "dim", 0)
+    rules = [AxisRule((R, R), (R,))]
+    if dim != -1:
+        d = norm_dim(dim, v.ndim)
+        rules.append(AxisRule((Shard(d), Shard(d)), (Shard(d),)))
+    return rules
+
+
 @register(aten.native_layer_norm.default)
 def native_layer_norm(call: OpCall) -> list[AxisRule]:
     x = call.inputs[0]
