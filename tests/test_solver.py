@@ -183,3 +183,23 @@ def test_dominance_pruning_keeps_the_objective_with_fewer_variables(monkeypatch,
     assert pruned.solver.objective_s == pytest.approx(full.solver.objective_s, rel=1e-9)
     assert pruned.total_s == pytest.approx(pruned.solver.objective_s, rel=1e-9)
     assert pruned.solver.variables < full.solver.variables / 3, (pruned.solver.variables, full.solver.variables)
+
+
+def test_edge_pricer_memos_price_exactly_as_the_cost_model():
+    # EdgePricer memoises moves per layout pair and each step's seconds per local bytes;
+    # every price must still equal CostModel.moves_cost of reshard_moves bit for bit
+    from itertools import product
+    from autopar.core.placement import P, R, Shard, Spec
+    from autopar.core.resharding import reshard_moves
+    from autopar.cost_models.edge_prices import INF, EdgePricer
+    from autopar.cost_models.model import CostModel
+    costs = CostModel.analytic("cpu", (2, 4), training=True)
+    pricer = EdgePricer(costs)
+    for meta in (TensorMeta((8, 16), torch.float32), TensorMeta((16, 8, 4), torch.bfloat16),
+                 TensorMeta((8, 16), torch.int64)):
+        layouts = list(product([R, P] + [Shard(d) for d in range(len(meta.shape))], repeat=2))
+        for src, dst, axes in product(layouts, layouts, [(), (0,), (1,), (0, 1)]):
+            a, b = Spec(src, meta), Spec(dst, meta)
+            moves = reshard_moves(a, b, axes)
+            want = INF if moves is None else costs.moves_cost(moves, meta).total_s
+            assert pricer.cost_between(pricer.spec_id(a), (pricer.spec_id(b), axes)) == want, (src, dst, axes)
