@@ -38,7 +38,7 @@ from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
 from autopar.passes.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
-from autopar.passes.custom_grad import custom_functions_applied
+from autopar.passes.custom_grad import backward_differs, custom_functions_applied
 from autopar.passes.higher_order import inline_grad_regions
 
 @dataclass(frozen=True)
@@ -197,12 +197,13 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
             f"torch.export could not trace model {name}: {type(e).__name__}: {head}\n"
             "autopar needs a model that torch.export.export(model, args, kwargs, strict=False) accepts; "
             "remove data-dependent Python control flow or pass example inputs that exercise one path.") from e
-    if custom and model.training:
+    inexact = [a.name for a in custom if model.training and backward_differs(a)]
+    if inexact:
         raise TraceError(
-            f"model {name} applies custom autograd.Function {', '.join(custom)} while training; torch.export "
-            "records only a Function's forward, so its own backward would be replaced by the derivative of its "
-            "forward and the gradients would not be the model's. Plan it for inference (model.eval()), or "
-            "replace the Function by ordinary differentiable ops.")
+            f"model {name} applies custom autograd.Function {', '.join(inexact)} while training, whose backward is "
+            "not the derivative of its forward (checked on random inputs): torch.export records only a Function's "
+            "forward, so the trace's gradients would not be the model's. Plan it for inference (model.eval()), "
+            "or replace the Function by ordinary differentiable ops.")
     # 3. in-place writes to intermediate values (masked_fill_, index_put_, a copy_ into a
     # slice) become functional ops (torch's functionalization): a sharded value that is
     # resharded before an in-place op would otherwise lose the write for its other readers;

@@ -330,3 +330,41 @@ def test_a_write_inside_a_no_grad_region_is_a_buffer_update_or_refused():
     simulate_against(model, (x,), {}, traced, plan, context="counter in no_grad")  # buffers compared too
     with pytest.raises(UnsupportedModelError, match="proj.weight"):
         trace(CountsInNoGrad(write_parameter=True).train(), (x,))
+
+
+class _HandGelu(torch.autograd.Function):
+    """A forward and its exact derivative written by hand (as BLOOM's GeLU is), with an
+    in-place write on a saved value in the forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        y = torch.tanh(x)
+        y.mul_(0.5)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 0.5 * (1 - torch.tanh(x) ** 2)
+
+
+class ExactCustomBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(_HandGelu.apply(self.inner(x)))
+
+
+def test_a_custom_autograd_function_whose_backward_is_exact_trains():
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
+    from autopar.tools.simulated import CHEAP_COMM, simulate_against
+    torch.manual_seed(0)
+    model, x = ExactCustomBackward().train(), torch.randn(4, 6, 16)
+    traced = trace(model, (x,))
+    plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
+    assert simulate_against(model, (x,), {}, traced, plan, context="exact custom backward") == 4
