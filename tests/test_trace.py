@@ -264,12 +264,14 @@ class _StraightThroughRound(torch.autograd.Function):
 
 
 class CustomBackward(nn.Module):
-    def __init__(self) -> None:
+    """Linear -> a custom autograd.Function -> Linear."""
+
+    def __init__(self, function: type = _StraightThroughRound) -> None:
         super().__init__()
-        self.inner, self.outer = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.inner, self.outer, self.function = nn.Linear(16, 16), nn.Linear(16, 16), function
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.outer(_StraightThroughRound.apply(self.inner(x)))
+        return self.outer(self.function.apply(self.inner(x)))
 
 
 def test_a_custom_autograd_function_backward_is_kept_or_the_training_trace_refused():
@@ -349,22 +351,13 @@ class _HandGelu(torch.autograd.Function):
         return grad * 0.5 * (1 - torch.tanh(x) ** 2)
 
 
-class ExactCustomBackward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner, self.outer = nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.outer(_HandGelu.apply(self.inner(x)))
-
-
 def test_a_custom_autograd_function_whose_backward_is_exact_trains():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
     from autopar.passes.planning import plan_traced
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
     torch.manual_seed(0)
-    model, x = ExactCustomBackward().train(), torch.randn(4, 6, 16)
+    model, x = CustomBackward(_HandGelu).train(), torch.randn(4, 6, 16)
     traced = trace(model, (x,))
     plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
     assert simulate_against(model, (x,), {}, traced, plan, context="exact custom backward") == 4
