@@ -82,6 +82,7 @@ class EdgeTable:
     src_class: torch.Tensor  # producer choice -> its src class (0 where impossible)
     dst_class: torch.Tensor  # consumer choice -> its dst class
     prices: torch.Tensor  # R[o, r] in seconds
+    copies: int = 1  # the edge and its twins: each adds R to the objective
 
 
 def _own_terms(model: IlpModel) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -98,18 +99,22 @@ def _own_terms(model: IlpModel) -> tuple[dict[str, torch.Tensor], dict[str, torc
 
 
 def _edge_tables(model: IlpModel, pricer: EdgePricer) -> list[EdgeTable]:
-    tables, seen = [], set()
+    """One table per distinct edge; twins (copies of one edge under clustering) share its
+    classes and prices but each adds its own term to the objective, so a table counts
+    as many times as it has twins."""
+    tables: dict[tuple, EdgeTable] = {}
+    copies: dict[tuple, int] = {}
     for edge in model.edges:
         key = edge.twin_key(model.rep)
-        if key in seen:  # a twin edge has the same classes and prices
+        copies[key] = copies.get(key, 0) + 1
+        if key in tables:
             continue
-        seen.add(key)
         src, dst = edge_classes(edge, model, pricer)
         u, v = model.owner(model.groups[edge.producer].leader), model.owner(model.groups[edge.consumer.name].leader)
-        tables.append(EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
+        tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
                                 torch.tensor([[pricer.cost_between(o, r) for r in dst] for o in src],
-                                             dtype=torch.float64)))
-    return tables
+                                             dtype=torch.float64))
+    return [replace(t, copies=copies[key]) for key, t in tables.items()]
 
 
 def _class_of(classes: dict, n: int) -> torch.Tensor:
@@ -131,20 +136,20 @@ def _by_group(tables: list[EdgeTable]) -> Touching:
     return out
 
 
-def _blocks(g: str, edges: Touching, alive: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _blocks(g: str, edges: Touching, alive: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
     """Per edge touching g: each of g's live choices' row (or column) of R against the
-    classes the other end can still pick."""
+    classes the other end can still pick, with the edge's number of copies."""
     out = []
     for t, produces in edges.get(g, ()):
         if produces:
             live = torch.zeros(t.prices.shape[1], dtype=torch.bool)
             live[t.dst_class[alive[t.consumer]]] = True
-            out.append(t.prices[t.src_class[alive[g]]][:, live])
+            out.append((t.prices[t.src_class[alive[g]]][:, live], t.copies))
         else:
             live = torch.zeros(t.prices.shape[0], dtype=torch.bool)
             live[t.src_class[alive[t.producer]]] = True
-            out.append(t.prices.T[t.dst_class[alive[g]]][:, live])
-    return [b for b in out if b.shape[1]]
+            out.append((t.prices.T[t.dst_class[alive[g]]][:, live], t.copies))
+    return [(b, k) for b, k in out if b.shape[1]]
 
 
 def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
@@ -157,9 +162,9 @@ def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
     blocks = _blocks(g, edges, alive)
     c = time_s[live]
     gain = c[:, None] - c[None, :]  # [j, i]
-    potential = c + sum((b.mean(1) for b in blocks), torch.zeros(n, dtype=torch.float64))
-    for b in blocks:
-        gain += _worst_difference(b)
+    potential = c + sum((k * b.mean(1) for b, k in blocks), torch.zeros(n, dtype=torch.float64))
+    for b, k in blocks:
+        gain += k * _worst_difference(b)
     index = torch.arange(n)
     first = (potential[:, None] < potential[None, :]) | (
         (potential[:, None] == potential[None, :]) & (index[:, None] < index[None, :]))
