@@ -473,3 +473,32 @@ def batch_norm_training(rank: int, world: int, mesh: tuple, steps: int = 2) -> d
                               for k, _ in ref.named_buffers()}
     out["synced_means"] = sum(1 for n in pm.plan.nodes if n.op == "aten.mean.dim" and str(n.inputs[0]).startswith("S(0)"))
     return out
+
+
+def trace_forms(rank: int, world: int, mesh: tuple) -> dict:
+    """The argument forms the sweep found broken, compiled by autopar on real ranks: a
+    slice write, a no_grad region, a buffer counted under no_grad, squeeze() of a split
+    dim, a hand-written exact autograd.Function. Per model: outputs and this rank's
+    gradients beside one device's."""
+    import copy
+    from autopar.tools.simulated import loss_of
+    from tests.test_rules import _SqueezeAll
+    from tests.test_trace import CountsInNoGrad, CustomBackward, NoGradRegion, SliceWrite, _HandGelu
+    forms = {"slice write": (SliceWrite, (4, 6, 16)), "no_grad region": (NoGradRegion, (4, 6, 16)),
+             "counter under no_grad": (CountsInNoGrad, (4, 8)), "squeeze()": (_SqueezeAll, (4, 8)),
+             "exact custom backward": (lambda: CustomBackward(_HandGelu), (4, 6, 16))}
+    out = {}
+    for name, (build, shape) in forms.items():
+        torch.manual_seed(0)
+        m, x = build().train(), torch.randn(*shape)
+        ref = copy.deepcopy(m)
+        want = ref(x)
+        loss_of(want).backward()
+        ref_grads = {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(m, (x,), mesh=mesh, device=CHEAP_COMM)
+        got = pm(x)
+        loss_of(got).backward()
+        out[name] = {"output": (got.detach(), want.detach()), "grads": _grad_pairs(pm, ref_grads, rank)}
+    return out

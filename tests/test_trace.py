@@ -361,3 +361,21 @@ def test_a_custom_autograd_function_whose_backward_is_exact_trains():
     traced = trace(model, (x,))
     plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
     assert simulate_against(model, (x,), {}, traced, plan, context="exact custom backward") == 4
+
+
+def test_the_traced_forms_match_one_device_on_gloo_ranks():
+    # the forms above, each checked in the simulator, also through autopar.compile on 2
+    # real gloo ranks: outputs and every local gradient
+    from tests import cases
+    from tests.harness import run_ranks
+    per_rank = run_ranks(2, [(cases.trace_forms, dict(mesh=(2,)))])
+    for rank, (results,) in enumerate(per_rank):
+        assert len(results) == 5
+        for name, res in results.items():
+            torch.testing.assert_close(*res["output"], msg=lambda m: f"rank {rank}, {name}: {m}")
+            assert res["grads"], f"{name}: no gradients compared"
+            for param, (got, want, spec) in res["grads"].items():
+                if want is None:
+                    assert got is None or not got.any(), f"rank {rank}, {name}: {param} got a gradient"
+                    continue
+                torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank}, {name}, grad of {param} ({spec}): {m}")
