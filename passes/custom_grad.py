@@ -17,6 +17,7 @@ Functions; inference is always exact (the forward is what one device runs)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ def custom_functions_applied() -> Iterator[list[Applied]]:
 def backward_differs(applied: Applied) -> bool:
     """True when the Function's own backward is not the derivative of its forward on
     random inputs (or the comparison cannot be made)."""
-    elements = sum(_numel(a.shape) for a in applied.args if isinstance(a, TensorShape))
+    elements = sum(math.prod(a.shape) for a in applied.args if isinstance(a, TensorShape))
     if elements > MAX_CHECK_ELEMENTS:
         warnings.warn(f"custom autograd.Function {applied.name}: inputs too large ({elements} elements) to check "
                       "that its backward is its forward's derivative; the trace differentiates its forward")
@@ -149,9 +150,3 @@ def _example(arg: Any, g: torch.Generator) -> Any:
         return t.requires_grad_(arg.requires_grad)
     return torch.zeros(arg.shape, dtype=arg.dtype)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

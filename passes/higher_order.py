@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from autopar.core.errors import UnsupportedModelError, describe_node
-from autopar.passes.functionalize import written_args
+from autopar.passes.functionalize import new_node, written_args
 
 _GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
 
@@ -57,7 +57,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
     with gm.graph.inserting_before(call):
         for ph, value in zip(placeholders, inputs):
             keep = enabled or not _is_tensor(value) or ph in written
-            env[ph] = value if keep else _detached(gm, value)
+            env[ph] = value if keep else new_node(gm, value, torch.ops.aten.detach.default, (value,), {})
         for node in body.graph.nodes:
             if node.op == "get_attr":  # a nested region's body: lift it onto gm under a fresh name
                 env[node] = _lifted(gm, body, node)
@@ -75,12 +75,6 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
 
 def _is_tensor(value: object) -> bool:
     return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
-
-
-def _detached(gm: fx.GraphModule, value: fx.Node) -> fx.Node:
-    node = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
-    node.meta = {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")}
-    return node
 
 
 def _lifted(gm: fx.GraphModule, body: fx.GraphModule, node: fx.Node) -> fx.Node:
