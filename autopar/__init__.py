@@ -34,6 +34,8 @@ _EXPORTS = {
     "ParallelModule": "autopar.runtime.module",
     "verify": "autopar.tools.verify", "VerifyReport": "autopar.tools.verify",
     "compile": "autopar.api", "plan": "autopar.api",
+    "compile_for_generation": "autopar.api", "Generator": "autopar.runtime.generation",
+    "CacheLimitError": "autopar.runtime.generation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,12 +6,17 @@ from typing import Any, Optional
 
 from torch import nn
 
+from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
+from autopar.core.placement import Spec, TensorMeta, parse_placements
+from autopar.passes.buffer_layouts import LocalBuffers
 from autopar.passes.planning import options_with, plan  # noqa: F401 - plan is re-exported
+from autopar.runtime.generation import Generator
+from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
 
-__all__ = ["compile", "plan"]
+__all__ = ["compile", "compile_for_generation", "plan"]
 
 
 def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dict] = None, *,
@@ -33,3 +38,38 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
             args = (args,)
         pm.prepare(tuple(args or ()), kwargs or {})
     return pm
+
+
+def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_cache_len: int = 256,
+                           prefill_len: Optional[int] = None, cache_layout: Optional[str] = None,
+                           options: Optional[Options] = None, **option_overrides: Any) -> Generator:
+    """A Generator for the causal LM `model` over `mesh`: gen.generate(input_ids,
+    max_new_tokens, do_sample=..., temperature=..., top_k=..., generator=...).
+
+    The model runs with a static KV cache of `max_batch` rows and `max_cache_len`
+    positions, held as buffers of one ParallelModule with two plans (decode, planned
+    first, and prefill over `prefill_len` positions, default max_cache_len). The solver
+    chooses the cache's layout among splits by batch and by KV heads (or replicated);
+    `cache_layout` (one placement per mesh axis, e.g. "RS(1)") fixes it instead.
+    Both plans are made now, every rank taking part.
+    """
+    opts = options_with(options, {"training": False, **option_overrides})
+    mesh_ = Mesh.of(mesh)
+    cached = CachedLM(model.eval(), max_batch, max_cache_len)
+    layout = _cache_layout(cache_layout, cached, mesh_)
+    pm = ParallelModule(cached, mesh_, opts, local_buffers=LocalBuffers(tuple(cached.cache_names()), (0, 1), layout))
+    gen = Generator(pm, cached.shape, prefill_len or max_cache_len)
+    gen.prepare()
+    return gen
+
+
+def _cache_layout(text: Optional[str], cached: CachedLM, mesh: Mesh) -> Any:
+    if text is None:
+        return None
+    layout = parse_placements(text)
+    meta = TensorMeta.of(cached.key_cache_0)
+    if len(layout) != mesh.ndim or not Spec(layout, meta).fits(mesh.shape):
+        raise MeshError(f"cache_layout={text!r} does not split the cache (batch, kv_heads, length, head_dim) = "
+                        f"{tuple(meta.shape)} evenly over mesh {mesh.shape}; give one placement per mesh axis "
+                        "(R, S(0) for batch, S(1) for KV heads) whose splits divide those dims")
+    return layout

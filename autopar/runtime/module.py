@@ -32,10 +32,11 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
-from autopar.passes.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
+from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
+from autopar.passes.emit import RankProgram, emit, local_inputs, shard
 from autopar.passes.planning import plan_annotated
 from autopar.passes.program import bind
-from autopar.passes.strategies import annotate
+from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.collectives import step_runner
@@ -44,7 +45,7 @@ from autopar.runtime.groups import mesh_groups
 from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.runtime.planner import agreed_plan
 from autopar.runtime.shipping import shared_trace
-from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers
+from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers, updated_blocks
 from autopar.runtime.state import ShardedStateMethods
 
 
@@ -61,7 +62,11 @@ class Compiled:
 
 class ParallelModule(ShardedStateMethods, nn.Module):
     def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | str | None" = None,
-                 materialize_on: "torch.device | str | None" = None) -> None:
+                 materialize_on: "torch.device | str | None" = None,
+                 local_buffers: Optional[LocalBuffers] = None) -> None:
+        """`local_buffers`: buffers (a KV cache) whose layout is chosen among candidate
+        splits by solving once per candidate, each rank then keeping its block of their
+        updates without communication (passes/buffer_layouts.py)."""
         super().__init__()
         self.mesh, self.options = mesh, options
         self.device, self.on_meta = _model_device(model, materialize_on)
@@ -76,6 +81,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None  # layouts later plans keep
         self._armed: Optional[GradBuckets] = None  # the buckets the running backward fills
         self._given, self._given_source = _given_plan(plan)
+        self.local_buffers = local_buffers
 
     @property
     def plan(self) -> Plan:
@@ -108,7 +114,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             self._armed = compiled.buckets
         feed = self._feed(compiled, tensors, user_is_local=local_inputs)
         outputs = compiled.run(*feed)
-        store_buffers(self.state_tensors, buffer_blocks(compiled.program, compiled.traced, outputs, self.mesh.shape))
+        store_buffers(self.state_tensors, updated_blocks(compiled.program, compiled.traced, compiled.plan, outputs,
+                                                         self.mesh.shape))
         return _compat.tree_unflatten(compiled.traced.user_outputs(outputs), compiled.traced.out_spec)
 
     @property
@@ -176,7 +183,12 @@ class ParallelModule(ShardedStateMethods, nn.Module):
 
     def _solve(self, traced: TracedGraph, profile) -> Plan:
         """Rank 0's solve; with a profile, the ops the strategies would run are timed first."""
-        graph = annotate(traced, self.mesh, self._pinned, self.options.discover_rules)
+        if self.local_buffers is not None:
+            return plan_local_buffers(traced, self.mesh, self.options, self._pinned, self.local_buffers,
+                                      lambda graph: self._solve_graph(graph, profile))
+        return self._solve_graph(annotate(traced, self.mesh, self._pinned, self.options.discover_rules), profile)
+
+    def _solve_graph(self, graph: AnnotatedGraph, profile) -> Plan:
         if profile is not None:
             profile_compute(samples_of(graph, self.mesh.shape), profile, self.device, self.options.profile_budget_s)
             save_profile(profile, self._profile_path())
