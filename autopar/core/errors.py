@@ -78,6 +78,18 @@ class ProcessGroupError(AutoparError, RuntimeError):
     """torch.distributed is not initialised or does not fit the mesh."""
 
 
+class CheckpointError(AutoparError, RuntimeError):
+    """A training checkpoint is incomplete, damaged, made for another world size, mesh or
+    model, or could not be written; names the directory and what to do. Carries the path."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        self.path = path
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.path))
+
+
 def describe_node(node) -> str:
     """'node add_3 (aten.add.Tensor) at model.py:41' using the source line export kept."""
     where = ""

@@ -37,8 +37,8 @@ def _split_axes(spec: Spec) -> tuple[int, ...]:
     return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard))
 
 
-def _unique_shards(pm: "ShardedModel"):
-    """(name, tensor, spec) once per shard (tied names share one shard)."""
+def unique_shards(pm: "ShardedModel"):
+    """(name, tensor, spec) once per shard (tied names share one shard, under the first name)."""
     for group in tied_groups(pm.state_specs, pm.state_tensors.__getitem__):
         yield group[0], pm.state_tensors[group[0]], pm.state_specs[group[0]]
 
@@ -47,7 +47,7 @@ def _unique_shards(pm: "ShardedModel"):
 def clip_grad_norm_(pm: "ShardedModel", max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     norm_type = float(norm_type)
     by_axes: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for _, t, spec in _unique_shards(pm):
+    for _, t, spec in unique_shards(pm):
         if isinstance(t, torch.nn.Parameter) and t.grad is not None:
             by_axes.setdefault(_split_axes(spec), []).append(t.grad)
     inf = norm_type == float("inf")
@@ -97,7 +97,7 @@ def load_full_state_dict(pm: "ShardedModel", state_dict: dict[str, torch.Tensor]
     if missing:
         raise KeyError(f"state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}; it must hold every "
                        "parameter and buffer of the compiled model (the keys of model.state_dict())")
-    for name, t, spec in _unique_shards(pm):
+    for name, t, spec in unique_shards(pm):
         full = state_dict[name]
         if tuple(full.shape) != spec.meta.shape:
             raise ValueError(f"state dict entry {name} has shape {tuple(full.shape)}, the model's is {spec.meta.shape}")
@@ -125,18 +125,24 @@ def _dtensor_placements(spec: Spec) -> list:
     return [TS(p.dim) if isinstance(p, Shard) else TR() for p in spec.placements]
 
 
-def sharded_state_dict(pm: "ShardedModel") -> dict[str, Any]:
+def as_dtensor(local: torch.Tensor, spec: Spec, device_mesh: Any) -> Any:
+    """This rank's block of a tensor laid out as `spec`, as a DTensor (no copy, no check):
+    what torch.distributed.checkpoint saves once per distinct block and reshards on load."""
     from torch.distributed.tensor import DTensor
+    shape = torch.Size(spec.meta.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, _dtensor_placements(spec), shape=shape, stride=stride,
+                              run_check=False)
+
+
+def sharded_state_dict(pm: "ShardedModel") -> dict[str, Any]:
     out = {}
     for name, spec in pm.state_specs.items():
         t = pm.state_tensors[name]
         local_shape = spec.local_shape(pm.mesh.shape)
         if tuple(t.shape) != local_shape:  # compiled on meta: give the loader real memory to fill
             t.data = torch.empty(local_shape, dtype=t.dtype, device=pm.device)
-        shape = torch.Size(spec.meta.shape)
-        stride = torch.empty(shape, device="meta").stride()
-        out[name] = DTensor.from_local(t.detach(), pm.device_mesh, _dtensor_placements(spec),
-                                       shape=shape, stride=stride, run_check=False)
+        out[name] = as_dtensor(t.detach(), spec, pm.device_mesh)
     return out
 
 

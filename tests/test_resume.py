@@ -1,0 +1,207 @@
+"""Resumable training checkpoints (autopar/runtime/resume.py): continuing from a checkpoint
+equals never stopping, bit for bit; incomplete or damaged checkpoints are refused with a
+CheckpointError; a failed save leaves no final directory; and, under torchrun with a rank
+killed mid-step, the elastic restart resumes and ends with the uninterrupted run's weights.
+
+Equality is exact (torch.equal), not within a tolerance: the resumed run executes the same
+per-rank programs on the same values in the same order (gloo's reductions are
+deterministic on CPU), so any difference is a bug in what the checkpoint restores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.core.errors import CheckpointError
+from autopar.runtime.resume import (MANIFEST, checkpoint_dir, latest_checkpoint, load_training_checkpoint, resume,
+                                    save_training_checkpoint)
+from autopar.tools.simulated import CHEAP_COMM
+from tests import models
+from tests.harness import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH = (1, 2)
+
+
+# ---- cases run on 2 gloo ranks -------------------------------------------------------------
+def _compiled(seed: int):
+    args, kwargs = models.inputs("gpt2", batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(models.build("gpt2", seed=seed).train(), args, kwargs, mesh=MESH, device=CHEAP_COMM)
+    return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+
+
+def _train(pm, opt, steps: range) -> None:
+    """AdamW steps whose batch order (torch RNG) and loss scale (python random) are drawn:
+    a resume that lost either RNG, or the optimiser moments, ends elsewhere."""
+    for step in steps:
+        _, kwargs = models.inputs("gpt2", batch=4, seed=10 + step)
+        ids = kwargs["input_ids"][torch.randperm(4)]
+        loss = pm(input_ids=ids, labels=ids).loss * (1.0 + random.random())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _params(pm) -> dict:
+    return {k: v.detach().clone() for k, v in pm.state_tensors.items()}
+
+
+def continue_equals_uninterrupted(rank: int, world: int, root: str) -> dict:
+    """Run A: 3 steps, save, 3 more. Run B: another model's weights, a fresh optimiser,
+    resume from A's checkpoint, the same 3 steps. Both end with the same shards and RNGs."""
+    random.seed(0)
+    pm, opt = _compiled(seed=0)
+    _train(pm, opt, range(3))
+    path = save_training_checkpoint(pm, opt, root, step=3, extra={"epoch": 0})
+    _train(pm, opt, range(3, 6))
+    a = {"params": _params(pm), "draws": (torch.rand(4), random.random())}
+    random.seed(123)  # run B starts from other RNG states and other weights
+    pm_b, opt_b = _compiled(seed=7)
+    different_start = any(not torch.equal(pm_b.state_tensors[k], v) for k, v in _params(pm).items())
+    manifest = resume(pm_b, opt_b, root)
+    _train(pm_b, opt_b, range(manifest.step, 6))
+    b = {"params": _params(pm_b), "draws": (torch.rand(4), random.random())}
+    return {"a": a, "b": b, "step": manifest.step, "extra": manifest.extra, "path": path,
+            "different_start": different_start, "adam_steps": [float(s["step"]) for s in opt_b.state.values()]}
+
+
+def _damaged_copies(good: str, root: str) -> dict:
+    """Rank 0 copies `good` and damages each copy one way; every rank gets the paths."""
+    paths = {k: os.path.join(root, name) for k, name in [
+        ("temp", "step-00000002.tmp-deadbeef"), ("no_marker", "step-00000003"), ("truncated", "step-00000004"),
+        ("flipped", "step-00000005"), ("other_world", "step-00000006"), ("missing", "step-00000007")]}
+    if dist.get_rank() == 0:
+        for path in paths.values():
+            shutil.copytree(good, path)
+        os.remove(os.path.join(paths["temp"], MANIFEST))
+        os.remove(os.path.join(paths["no_marker"], MANIFEST))
+        shard = sorted(f for f in os.listdir(good) if f.endswith(".distcp"))[0]
+        with open(os.path.join(paths["truncated"], shard), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(good, shard)) // 2)
+        with open(os.path.join(paths["flipped"], shard), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.remove(os.path.join(paths["missing"], ".metadata"))
+        marker = os.path.join(paths["other_world"], MANIFEST)
+        with open(marker) as f:
+            data = json.load(f)
+        with open(marker, "w") as f:
+            json.dump({**data, "world_size": 4, "mesh": [2, 2]}, f)
+    dist.barrier()
+    return paths
+
+
+def refusals(rank: int, world: int, root: str) -> dict:
+    """Every damaged copy of a good checkpoint is refused on every rank, and the shards
+    are untouched by a refused load."""
+    pm, opt = _compiled(seed=0)
+    _train(pm, opt, range(1))
+    good = save_training_checkpoint(pm, opt, os.path.join(root, "good"), step=1)
+    paths = _damaged_copies(good, os.path.join(root, "damaged"))
+    before = _params(pm)
+    errors = {}
+    for kind, path in paths.items():
+        try:
+            load_training_checkpoint(pm, opt, path)
+            errors[kind] = None
+        except CheckpointError as e:
+            errors[kind] = (type(e).__name__, str(e), e.path)
+    untouched = all(torch.equal(v, pm.state_tensors[k]) for k, v in before.items())
+    return {"errors": errors, "paths": paths, "untouched": untouched,
+            "latest_damaged": latest_checkpoint(os.path.join(root, "damaged"))}
+
+
+def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
+    """A save that fails on rank 1 raises on both ranks and leaves no step directory;
+    keep=2 leaves the two newest complete checkpoints and no temp directory."""
+    pm, opt = _compiled(seed=0)
+    for step in (1, 2, 3):
+        save_training_checkpoint(pm, opt, root, step=step, keep=2)
+    writer = torch.distributed.checkpoint.FileSystemWriter
+    original = writer.write_data
+    if rank == 1:
+        def broken(self, plan, planner):
+            raise OSError("disk full (injected)")
+        writer.write_data = broken
+    try:
+        save_training_checkpoint(pm, opt, root, step=4, keep=2)
+        failure = None
+    except CheckpointError as e:
+        failure = str(e)
+    finally:
+        writer.write_data = original
+    dist.barrier()
+    return {"failure": failure, "listing": sorted(os.listdir(root)), "latest": latest_checkpoint(root)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    roots = [str(tmp_path_factory.mktemp(n)) for n in ("resume", "refuse", "fail")]
+    return run_ranks(2, [(continue_equals_uninterrupted, dict(root=roots[0])), (refusals, dict(root=roots[1])),
+                         (failed_save_and_keep, dict(root=roots[2]))])
+
+
+def test_resume_restores_optimizer_rng_and_position(two_ranks):
+    for rank, per_rank in enumerate(two_ranks):
+        res = per_rank[0]
+        assert res["different_start"], "run B must start from other weights, or the test could not fail"
+        assert res["step"] == 3 and res["extra"] == {"epoch": 0}
+        assert res["adam_steps"] and set(res["adam_steps"]) == {6.0}  # 3 restored + 3 more
+        for name, want in res["a"]["params"].items():
+            assert torch.equal(res["b"]["params"][name], want), f"rank {rank} {name} differs after resuming"
+        assert torch.equal(res["a"]["draws"][0], res["b"]["draws"][0]) and res["a"]["draws"][1] == res["b"]["draws"][1]
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("temp", "incomplete"), ("no_marker", "incomplete"), ("truncated", "bytes, the manifest says"),
+    ("flipped", "crc32"), ("other_world", "saved by 4 ranks on mesh (2, 2)"), ("missing", "missing its file")])
+def test_damaged_checkpoint_is_refused(two_ranks, kind, words):
+    for per_rank in two_ranks:
+        res = per_rank[1]
+        found = res["errors"][kind]
+        assert found is not None, f"{kind} checkpoint was loaded"
+        name, message, path = found
+        assert name == "CheckpointError" and words in message and res["paths"][kind] in message, message
+        assert path == res["paths"][kind]
+        assert res["untouched"]
+
+
+def test_latest_skips_incomplete_directories(two_ranks):
+    """latest_checkpoint judges by the marker alone: of the damaged copies it skips the
+    temp directory and the one without a manifest; the newest with one is step 7."""
+    res = two_ranks[0][1]
+    assert res["latest_damaged"] == res["paths"]["missing"]
+
+
+def test_failed_save_leaves_no_checkpoint(two_ranks):
+    for per_rank in two_ranks:
+        res = per_rank[2]
+        assert res["failure"] is not None and "rank 1: OSError: disk full (injected)" in res["failure"], res["failure"]
+        assert res["listing"] == ["step-00000002", "step-00000003"], res["listing"]
+        assert res["latest"].endswith("step-00000003")
+
+
+def test_latest_checkpoint_without_ranks(tmp_path):
+    assert latest_checkpoint(tmp_path / "nothing") is None
+    for name in ("step-00000005", "step-00000009.tmp-0a1b2c3d", "step-00000012", "notes"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-00000005" / MANIFEST).write_text("{}")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "step-00000005")
+    assert checkpoint_dir(tmp_path, 12) == str(tmp_path / "step-00000012")
