@@ -1,13 +1,17 @@
 """Generation with a static KV cache on gloo ranks against one device.
 
 Greedy tokens equal transformers' own `model.generate(..., do_sample=False)` on one
-device for tiny GPT-2, Llama and Mistral (grouped-query attention) on meshes (1, 4) and
-(2, 2), with the cache's layout as the solver chooses it and with it split by force (by
-KV heads, and by batch x heads), so that the local cache update is exercised. Each run
-makes exactly two plans (prefill, decode) for prompts of two lengths and two batch
-sizes. Seeded sampling equals the same sampler on one device (Generator.single_device).
-A prompt longer than the cache and a batch larger than the cache's raise CacheLimitError
-naming the dim and the limit, and leave the cache as it was."""
+device for tiny GPT-2, Llama and Mistral (grouped-query attention), with the cache's
+layout as the solver chooses it and with it split by force (by KV heads; by batch x
+heads), so that the local cache update is exercised: its decode plan moves nothing on
+the edges that carry a new cache value. Each run makes exactly two plans (prefill,
+decode) for prompts of two lengths and two batch sizes. Seeded sampling equals the same
+sampler on one device (Generator.single_device). A batch over the cache's, a prompt over
+the prefill length and a prompt + new tokens over the cache raise CacheLimitError naming
+the dim and the limit, and leave the cache as it was.
+
+One spawn of 4 ranks runs the quick set (each family once, meshes (1, 4) and (2, 2));
+the rest of the grid and the 8-rank (2, 4) case are slow-marked."""
 
 from __future__ import annotations
 
@@ -49,37 +53,28 @@ def prompts() -> list[torch.Tensor]:
     return [torch.randint(0, 128, (2, 6), generator=gen), torch.randint(0, 128, (1, 3), generator=gen)]
 
 
-def case_greedy(rank: int, world: int, family: str, mesh: tuple, cache_layout=None) -> dict:
+def case_generate(rank: int, world: int, family: str, mesh: tuple, cache_layout=None, extras: bool = False) -> dict:
+    """Compile once, generate greedily for both prompts; with `extras`, then sample with a
+    seeded generator and send the three bad requests, on the same Generator."""
     import autopar
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gen = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE,
                                              prefill_len=PREFILL, cache_layout=cache_layout)
-        tokens = [gen.generate(ids, NEW) for ids in prompts()]
+        out = {"tokens": [gen.generate(ids, NEW) for ids in prompts()]}
+        if extras:
+            out["sampled"] = gen.generate(prompts()[0], NEW, do_sample=True, temperature=0.8, top_k=20,
+                                          generator=torch.Generator().manual_seed(7))
+            out.update(_bad_requests(gen))
     pm = gen.step
-    return {"tokens": tokens, "plans": len(pm.programs), "layout": str(pm.state_specs["key_cache_0"]),
+    decode = next(c.plan for c in pm.programs.values() if c.traced.inputs[-1].meta.shape == (1,))
+    return {**out, "plans": len(pm.programs), "layout": str(pm.state_specs["key_cache_0"]),
             "local_cache": tuple(pm.state_tensors["key_cache_0"].shape),
-            "full_cache": (gen.shape.batch, gen.shape.kv_heads, gen.shape.length, gen.shape.head_dim)}
+            "full_cache": (gen.shape.batch, gen.shape.kv_heads, gen.shape.length, gen.shape.head_dim),
+            "cache_moves": _cache_update_moves(decode, pm)}
 
 
-def case_sampling(rank: int, world: int, family: str, mesh: tuple) -> dict:
-    import autopar
-    ids = prompts()[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        gen = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE,
-                                             prefill_len=PREFILL)
-        sampled = gen.generate(ids, NEW, do_sample=True, temperature=0.8, top_k=20,
-                               generator=torch.Generator().manual_seed(7))
-    return {"sampled": sampled}
-
-
-def case_bad_input(rank: int, world: int, family: str, mesh: tuple) -> dict:
-    import autopar
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        gen = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE,
-                                             prefill_len=PREFILL)
+def _bad_requests(gen: Generator) -> dict:
     pm = gen.step
     before = {n: t.clone() for n, t in pm.state_tensors.items() if "cache" in n}
     errors = []
@@ -91,8 +86,15 @@ def case_bad_input(rank: int, world: int, family: str, mesh: tuple) -> dict:
             errors.append(None)
         except CacheLimitError as e:
             errors.append(str(e))
-    unchanged = all(torch.equal(before[n], pm.state_tensors[n]) for n in before)
-    return {"errors": errors, "unchanged": unchanged, "plans": len(pm.programs)}
+    return {"errors": errors, "unchanged": all(torch.equal(before[n], pm.state_tensors[n]) for n in before)}
+
+
+def _cache_update_moves(plan, pm) -> int:
+    """Communicating steps on the edges that carry a new cache value to the output."""
+    compiled = next(iter(pm.programs.values()))
+    updates = {u.index for u in compiled.traced.buffer_updates if "_cache_" in u.target and "length" not in u.target}
+    return sum(1 for e in plan.edges if e.consumer == "output" and e.position in updates
+               for step in e.steps if step.kind.communicates)
 
 
 def reference_greedy(family: str) -> list[torch.Tensor]:
@@ -102,44 +104,69 @@ def reference_greedy(family: str) -> list[torch.Tensor]:
         return [model.generate(ids, max_new_tokens=NEW, do_sample=False) for ids in prompts()]
 
 
-def _check_greedy(results: list, family: str, expect_split: bool) -> None:
+def reference_sampled(family: str) -> torch.Tensor:
+    """Our sampler on one device, without autopar, with the same seed."""
+    ref = Generator.single_device(tiny_lm(family), MAX_BATCH, MAX_CACHE, PREFILL)
+    return ref.generate(prompts()[0], NEW, do_sample=True, temperature=0.8, top_k=20,
+                        generator=torch.Generator().manual_seed(7))
+
+
+def check_greedy(results: list[dict], family: str, split: bool) -> None:
+    """Every rank's tokens are transformers' greedy tokens on one device, from exactly two
+    plans; a split cache is held in blocks and its update moves nothing."""
     want = reference_greedy(family)
-    for rank, (res,) in enumerate(results):
+    for rank, res in enumerate(results):
         assert res["plans"] == 2, f"rank {rank} made {res['plans']} plans"
         for got, ref in zip(res["tokens"], want):
             assert torch.equal(got, ref), f"{family} rank {rank} cache {res['layout']}:\n{got}\n!=\n{ref}"
-    if expect_split:  # each rank holds a block of the cache, not all of it
-        first = results[0][0]
-        assert first["local_cache"] != first["full_cache"], first["layout"]
+        assert res["cache_moves"] == 0, res
+    if split:
+        assert results[0]["local_cache"] != results[0]["full_cache"], results[0]["layout"]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral"])
-def test_greedy_equals_one_device_on_1x4_and_2x2(family):
-    """One spawn of 4 ranks: (1, 4) with the solver's cache layout, (1, 4) with the cache
-    split by KV heads, (2, 2) split by batch x heads."""
-    runs = [("solver", (1, 4), None), ("heads", (1, 4), "RS(1)"), ("batch x heads", (2, 2), "S(0)S(1)")]
-    results = run_ranks(4, [(case_greedy, {"family": family, "mesh": mesh, "cache_layout": layout})
-                            for _, mesh, layout in runs])
-    for i, (name, _, layout) in enumerate(runs):
-        _check_greedy([[r[i]] for r in results], family, expect_split=layout is not None)
+# (family, mesh, cache layout or None for the solver's): one spawn of 4 ranks runs them all
+QUICK = [("gpt2", (1, 4), None), ("llama", (1, 4), "RS(1)"), ("mistral", (2, 2), "S(0)S(1)")]
+SLOW = [("gpt2", (2, 2), "S(0)S(1)"), ("llama", (2, 2), None), ("mistral", (1, 4), None), ("mistral", (1, 4), "S(0)R")]
 
 
-def test_sampling_equals_one_device_sampler_and_bad_input_is_refused():
-    results = run_ranks(4, [(case_sampling, {"family": "mistral", "mesh": (2, 2)}),
-                            (case_bad_input, {"family": "llama", "mesh": (1, 4)})])
-    ref = Generator.single_device(tiny_lm("mistral"), MAX_BATCH, MAX_CACHE, PREFILL)
-    want = ref.generate(prompts()[0], NEW, do_sample=True, temperature=0.8, top_k=20,
-                        generator=torch.Generator().manual_seed(7))
-    for rank, (sampled, bad) in enumerate(results):
-        assert torch.equal(sampled["sampled"], want), (rank, sampled["sampled"], want)
-        batch, prompt, total = bad["errors"]
+@pytest.fixture(scope="module")
+def quick_results():
+    cases = [(case_generate, {"family": f, "mesh": m, "cache_layout": lay, "extras": f == "mistral"})
+             for f, m, lay in QUICK]
+    results = run_ranks(4, cases)
+    return [[per_rank[i] for per_rank in results] for i in range(len(QUICK))]
+
+
+@pytest.mark.parametrize("index", range(len(QUICK)), ids=[f"{f}-{m}-{lay or 'solver'}" for f, m, lay in QUICK])
+def test_greedy_equals_one_device(quick_results, index):
+    family, _, layout = QUICK[index]
+    check_greedy(quick_results[index], family, split=layout is not None)
+
+
+def test_seeded_sampling_equals_one_device_sampler(quick_results):
+    want = reference_sampled("mistral")
+    for rank, res in enumerate(quick_results[QUICK.index(("mistral", (2, 2), "S(0)S(1)"))]):
+        assert torch.equal(res["sampled"], want), (rank, res["sampled"], want)
+
+
+def test_bad_requests_are_refused_before_any_cache_write(quick_results):
+    for res in quick_results[QUICK.index(("mistral", (2, 2), "S(0)S(1)"))]:
+        batch, prompt, total = res["errors"]
         assert batch is not None and "dim 0 (batch) = 3" in batch and "max_batch=2" in batch, batch
         assert prompt is not None and "dim 1 (prompt length) = 9" in prompt and "prefill_len=8" in prompt, prompt
         assert total is not None and "= 17" in total and "max_cache_len=16" in total, total
-        assert bad["unchanged"] and bad["plans"] == 2
+        assert res["unchanged"] and res["plans"] == 2
+
+
+@pytest.mark.slow
+def test_greedy_equals_one_device_rest_of_grid():
+    """The other families on the other mesh, with the solver's layouts and a batch split."""
+    results = run_ranks(4, [(case_generate, {"family": f, "mesh": m, "cache_layout": lay}) for f, m, lay in SLOW])
+    for i, (family, _, layout) in enumerate(SLOW):
+        check_greedy([per_rank[i] for per_rank in results], family, split=layout is not None)
 
 
 @pytest.mark.slow
 def test_greedy_equals_one_device_on_2x4():
-    results = run_ranks(8, [(case_greedy, {"family": "mistral", "mesh": (2, 4)})])
-    _check_greedy(results, "mistral", expect_split=False)
+    results = run_ranks(8, [(case_generate, {"family": "mistral", "mesh": (2, 4), "cache_layout": "S(0)S(1)"})])
+    check_greedy([per_rank[0] for per_rank in results], "mistral", split=True)
