@@ -39,8 +39,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from autopar import _compat
-from autopar.core.placement import P, Placement, R, Shard, TensorMeta
-from autopar.passes.rules import AxisRule, OpCall, TensorArg, expand
+from autopar.core.placement import P, Placement, R, Shard, Spec, TensorMeta
+from autopar.passes.rules import AxisRule, OpCall, Strategy, TensorArg, expand
 
 DISCOVERY_MAX_ELEMENTS = 1 << 20  # per call, summed over inputs and outputs
 MAX_INPUT_PATTERNS = 64  # input layouts tried per op, over all candidates
@@ -196,11 +196,53 @@ def _discover(call: OpCall) -> Optional[tuple[AxisRule, ...]]:
         return None  # random op
     if len(trials[0].expected) != len(call.outputs):
         return None
+    from autopar.passes.rewrite import SIZE_ARG_OPS  # rewrite imports strategies, which imports this
     found = [AxisRule((R,) * len(call.inputs), (R,) * len(call.outputs))]
     out_choices = [output_options(m) for m in call.outputs]
     for ins in input_patterns(call):
-        for outs in product(*out_choices):
-            rule = AxisRule(ins, tuple(outs))
-            if all(_holds(call, t, rule) for t in trials):
-                found.append(rule)
+        if call.target in SIZE_ARG_OPS:  # the shard run itself depends on the output layout
+            found += [rule for rule in (AxisRule(ins, tuple(outs)) for outs in product(*out_choices))
+                      if all(_holds(call, t, rule) for t in trials)]
+        else:
+            found += [AxisRule(ins, tuple(outs)) for outs in product(*_holding_outputs(call, trials, ins, out_choices))]
     return tuple(found)
+
+
+def _holding_outputs(call: OpCall, trials: list[_Trial], ins: tuple[Placement, ...],
+                     out_choices: list[list[Placement]]) -> list[list[Placement]]:
+    """For each output, the placements under which it reassembles to the op's result
+    when the inputs are laid out as `ins`: the same tests as _holds, but the op runs
+    shard by shard once per draw and shard count, and each output's layouts are checked
+    on those blocks (a rule holds when every output does, so the product of these lists
+    is exactly the rules that hold, in the order of product(*out_choices))."""
+    from autopar.passes.simulate import run_blocks
+    holding = [list(c) for c in out_choices]
+    none: list[list[Placement]] = [[] for _ in out_choices]
+    for n in SHARD_COUNTS:
+        in_specs = tuple(Spec((p,), m) for p, m in zip(ins, call.inputs))
+        if not all(s.fits((n,)) for s in in_specs):
+            if n == SHARD_COUNTS[0]:
+                return none  # does not even divide in two
+            continue
+        strategy = Strategy(in_specs, tuple(Spec((R,), m) for m in call.outputs))
+        for trial in trials:
+            args = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in trial.args)
+            try:
+                blocks = run_blocks(call.target, args, trial.kwargs, strategy, (n,), seed=n)
+            except Exception:  # noqa: BLE001 - an input layout the op cannot run shard by shard
+                return none
+            if len(blocks) != len(trial.expected):
+                return none
+            holding = [[p for p in options if _reassembles(b, Spec((p,), meta), n, want, first=n == SHARD_COUNTS[0])]
+                       for options, b, meta, want in zip(holding, blocks, call.outputs, trial.expected)]
+    return holding
+
+
+def _reassembles(blocks: dict, spec: Spec, n: int, want: torch.Tensor, first: bool) -> bool:
+    from autopar.passes.simulate import assemble
+    if not spec.fits((n,)):
+        return not first  # an output split that does not divide in two never holds; in four it is not tried
+    try:
+        return _same(assemble(blocks, spec, (n,)), want)
+    except Exception:  # noqa: BLE001 - replicas that disagree
+        return False

@@ -62,12 +62,18 @@ def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool) -> IlpModel:
     time_s, nbytes = _own_terms(model)
     edges = _by_group(_edge_tables(model, pricer))
     alive = {g: torch.tensor([c < INF for c in model.cost_s[g]]) for g in time_s}
-    while True:
-        pruned = {g: _beaten(g, time_s[g], nbytes[g] if with_memory else None, edges, alive) for g in time_s}
-        if not any(pruned.values()):
-            break
-        for g, choices in pruned.items():
-            alive[g][choices] = False
+    neighbours = {g: {t.consumer if produces else t.producer for t, produces in touching}
+                  for g, touching in edges.items()}
+    todo = list(time_s)
+    while todo:
+        # a group's verdict depends on its neighbours' live choices only (losing its own
+        # beaten choices beats nothing new), so a round revisits the neighbours of the
+        # groups the last one pruned: the same fixed point as revisiting every group
+        pruned = {g: _beaten(g, time_s[g], nbytes[g] if with_memory else None, edges, alive) for g in todo}
+        changed = {g for g, choices in pruned.items() if choices}
+        for g in changed:
+            alive[g][pruned[g]] = False
+        todo = [g for g in time_s if any(h in changed for h in neighbours.get(g, ()))]
     cost = {g: tuple(c if alive[model.owner(g)][i] else INF for i, c in enumerate(cs))
             for g, cs in model.cost_s.items()}
     return replace(model, cost_s=cost)

@@ -68,7 +68,7 @@ def _summands(x: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], gen: tor
     return blocks
 
 
-def _assemble(blocks: dict, spec: Spec, mesh_shape: tuple[int, ...]) -> torch.Tensor:
+def assemble(blocks: dict, spec: Spec, mesh_shape: tuple[int, ...]) -> torch.Tensor:
     for axis in reversed(range(len(mesh_shape))):
         p = spec.placements[axis]
         merged: dict = {}
@@ -94,6 +94,15 @@ def _assemble(blocks: dict, spec: Spec, mesh_shape: tuple[int, ...]) -> torch.Te
 def run_sharded(target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh_shape: tuple[int, ...],
                 seed: int = 0) -> list[torch.Tensor]:
     """The op's global outputs as reassembled from a shard-by-shard run under `strategy`."""
+    per_output = run_blocks(target, args, kwargs, strategy, mesh_shape, seed)
+    # 3. reassemble
+    return [assemble(b, spec, mesh_shape) for b, spec in zip(per_output, strategy.outputs)]
+
+
+def run_blocks(target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh_shape: tuple[int, ...],
+               seed: int = 0) -> list[dict]:
+    """Steps 1 and 2: for each output, mesh coordinates -> that coordinate's block. The
+    output specs matter only to ops whose arguments spell a size (rewrite.SIZE_ARG_OPS)."""
     gen = torch.Generator().manual_seed(seed)
     leaves, tree = _compat.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -112,5 +121,4 @@ def run_sharded(target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for j, o in enumerate(outs):
             per_output[j][coords] = o
-    # 3. reassemble
-    return [_assemble(b, spec, mesh_shape) for b, spec in zip(per_output, strategy.outputs)]
+    return per_output

@@ -36,7 +36,11 @@ def solver_for(options: Options) -> tuple[str, pulp.LpSolver]:
 # root LP of these ILPs is (near) integral and finds the optimum itself, so the jump is
 # a quarter of the solve spent for nothing (hrm_text (2,4): 4.2 s instead of 5.0 s;
 # gemma3_text 0.28 s instead of 0.37 s; same optimum). Branch and bound is unchanged.
-EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False}
+# One thread: the solve is a branch and bound whose root LP settles it; HiGHS's worker
+# threads only spin beside it, and on a loaded 2-core machine they cost more than they
+# give (hrm_text (2, 4), machine busy: 28 s wall with its default threads, 18 s with one;
+# kimi_linear 19 s and 8 s; same optimum).
+EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1}
 
 
 @cache

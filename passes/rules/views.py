@@ -138,3 +138,38 @@ def stack(call: OpCall) -> list[AxisRule]:
         rules.append(AxisRule((P,) * k, (P,)))
     return rules
 
+
+
+def _write_rules(call: OpCall, src_dim: dict[int, int], overwrites_all: bool) -> list[AxisRule]:
+    """`out = input` with `src` written into a region along one dim (the functional form of
+    a slice or select assignment). A dim outside the region splits input, src and output
+    alike (`src_dim`: input dim -> src dim); a write of sums is the sum of writes, so
+    input and src partial together give a partial output. When the region is the whole
+    input, the output is src itself and input's values do not matter: it may stay partial
+    (or replicated) under a whole src (its shape must still match src's block, so a split
+    src needs the input split alike)."""
+    rules = [AxisRule((R, R), (R,))]
+    rules += [AxisRule((Shard(i), Shard(s)), (Shard(i),)) for i, s in src_dim.items()]
+    floating = call.outputs[0].dtype.is_floating_point
+    if floating:
+        rules.append(AxisRule((P, P), (P,)))
+    if overwrites_all:
+        whole = (R, P) if floating else (R,)
+        rules += [AxisRule((ignored, p), (p,)) for ignored in whole for p in whole]
+    return list(dict.fromkeys(rules))
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter(call: OpCall) -> list[AxisRule]:
+    inp, src = call.inputs
+    dim = norm_dim(call.arg(2, "dim", 0), inp.ndim)
+    overwrites_all = inp.shape == src.shape
+    return _write_rules(call, {d: d for d in range(inp.ndim) if d != dim or overwrites_all}, overwrites_all)
+
+
+@register(aten.select_scatter.default)
+def select_scatter(call: OpCall) -> list[AxisRule]:
+    inp = call.inputs[0]
+    dim = norm_dim(call.args[2], inp.ndim)
+    return _write_rules(call, {d: (d if d < dim else d - 1) for d in range(inp.ndim) if d != dim},
+                        inp.shape[dim] == 1)
