@@ -36,6 +36,8 @@ _EXPORTS = {
     "compile": "autopar.api", "plan": "autopar.api",
     "compile_for_generation": "autopar.api", "Generator": "autopar.runtime.generation",
     "CacheLimitError": "autopar.runtime.generation",
+    "save_training_checkpoint": "autopar.api", "load_training_checkpoint": "autopar.api", "resume": "autopar.api",
+    "latest_checkpoint": "autopar.api", "CheckpointManifest": "autopar.api", "CheckpointError": "autopar.core.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,8 +15,11 @@ from autopar.passes.planning import options_with, plan  # noqa: F401 - plan is r
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.resume import (CheckpointManifest, latest_checkpoint,  # noqa: F401 - re-exported
+                                    load_training_checkpoint, resume, save_training_checkpoint)
 
-__all__ = ["compile", "compile_for_generation", "plan"]
+__all__ = ["CheckpointManifest", "compile", "compile_for_generation", "latest_checkpoint", "load_training_checkpoint",
+           "plan", "resume", "save_training_checkpoint"]
 
 
 def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dict] = None, *,

@@ -14,10 +14,8 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -33,6 +31,7 @@ from tests import models
 from tests.harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_elastic.py")
 MESH = (1, 2)
 
 
@@ -205,3 +204,36 @@ def test_latest_checkpoint_without_ranks(tmp_path):
     (tmp_path / "step-00000005" / MANIFEST).write_text("{}")
     assert latest_checkpoint(tmp_path) == str(tmp_path / "step-00000005")
     assert checkpoint_dir(tmp_path, 12) == str(tmp_path / "step-00000012")
+
+
+# ---- a lost rank under torchrun ------------------------------------------------------------
+def _torchrun(run_dir: str, *extra: str) -> list[dict]:
+    """examples/train_elastic.py on 2 ranks under torchrun's elastic agent (one restart
+    allowed): 8 steps, a checkpoint every 3. Returns rank 0's attempt log."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--monitor-interval", "0.1", EXAMPLE, "--run-dir", run_dir, "--mesh", "1,2",
+           "--steps", "8", "--every", "3", "--keep", "2", *extra]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    with open(os.path.join(run_dir, "attempts.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow  # two torchrun jobs, three attempts of 2 ranks (~40 s)
+def test_killed_rank_resumes_and_ends_where_an_uninterrupted_run_does(tmp_path):
+    killed, plain = str(tmp_path / "killed"), str(tmp_path / "plain")
+    log = _torchrun(killed, "--kill-rank", "1", "--kill-step", "4")
+    assert os.path.exists(os.path.join(killed, "killed.marker")), "rank 1 never killed itself"
+    # the agent restarted the group once, and attempt 2 resumed at the step-3 checkpoint, not from scratch
+    assert log == [{"event": "start", "step": 0, "resumed": False, "restart": 0},
+                   {"event": "start", "step": 3, "resumed": True, "restart": 1},
+                   {"event": "end", "steps_run": 5, "restart": 1}], log
+    assert _torchrun(plain) == [{"event": "start", "step": 0, "resumed": False, "restart": 0},
+                                {"event": "end", "steps_run": 8, "restart": 0}]
+    got = torch.load(os.path.join(killed, "final.pt"))
+    want = torch.load(os.path.join(plain, "final.pt"))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{name} differs from the uninterrupted run"
+    assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step-00000003", "step-00000006"]

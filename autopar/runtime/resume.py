@@ -63,7 +63,7 @@ _CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
-class Manifest:
+class CheckpointManifest:
     """The completion marker of a checkpoint and what a load checks against."""
 
     step: int  # steps done when it was saved: the data position to resume at
@@ -81,11 +81,11 @@ class Manifest:
         return asdict(self)
 
     @staticmethod
-    def from_dict(data: Any, path: str) -> "Manifest":
+    def from_dict(data: Any, path: str) -> "CheckpointManifest":
         try:
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, this autopar reads {FORMAT}")
-            return Manifest(**{**data, "mesh": tuple(data["mesh"]),
+            return CheckpointManifest(**{**data, "mesh": tuple(data["mesh"]),
                                "files": tuple((str(f), int(n), int(c)) for f, n, c in data["files"])})
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint manifest {path} is not one autopar wrote ({e}); resume from another "
@@ -152,15 +152,15 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
     return final
 
 
-def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict) -> Manifest:
+def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict) -> CheckpointManifest:
     current = getattr(pm, "current", None)
-    return Manifest(step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=model_digest(pm),
+    return CheckpointManifest(step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=model_digest(pm),
                     layout_digest=_digest((n, str(s)) for n, s in sorted(pm.state_specs.items())),
                     plan_digest=current.plan.digest() if current is not None else "", files=tuple(files),
                     extra=dict(extra))
 
 
-def _complete(temp: str, final: str, manifest: Manifest) -> Optional[str]:
+def _complete(temp: str, final: str, manifest: CheckpointManifest) -> Optional[str]:
     """Rank 0: marker, then rename; the error message, or None."""
     try:
         write_json_atomic(os.path.join(temp, MANIFEST), manifest.to_dict())
@@ -189,7 +189,7 @@ def _prune(root: str, keep: Optional[int], keep_path: str) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------
-def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.PathLike") -> Manifest:
+def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.PathLike") -> CheckpointManifest:
     """Restore model shards, optimiser state (optimizer=None skips it) and this rank's
     RNGs from a complete checkpoint; every rank calls it with the same path. Returns its
     manifest (manifest.step is where to continue). A checkpoint that is incomplete,
@@ -221,7 +221,7 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
     return manifest
 
 
-def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike") -> Optional[Manifest]:
+def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike") -> Optional[CheckpointManifest]:
     """Load the newest complete checkpoint under root on every rank (rank 0 chooses,
     all follow); None when there is none yet (start from step 0)."""
     path = _broadcast(latest_checkpoint(root) if dist.get_rank() == 0 else None)
@@ -233,7 +233,7 @@ def model_digest(pm: ShardedModel) -> str:
     return _digest((n, tuple(s.meta.shape), str(s.meta.dtype)) for n, s in sorted(pm.state_specs.items()))
 
 
-def _checked_manifest(pm: ShardedModel, path: str, world: int) -> Manifest:
+def _checked_manifest(pm: ShardedModel, path: str, world: int) -> CheckpointManifest:
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory {path}; latest_checkpoint(root) names the newest "
                               "complete one", path)
@@ -244,7 +244,7 @@ def _checked_manifest(pm: ShardedModel, path: str, world: int) -> Manifest:
                               "(latest_checkpoint(root) skips incomplete ones)", path)
     try:
         with open(marker) as f:
-            manifest = Manifest.from_dict(json.load(f), marker)
+            manifest = CheckpointManifest.from_dict(json.load(f), marker)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint manifest {marker} is unreadable ({e}); resume from another "
                               "checkpoint", path) from None

@@ -1,0 +1,172 @@
+"""Elastic training that survives a lost rank: checkpoints every k steps, and resumes from
+the newest complete one whenever it starts (torchrun's elastic agent restarts the whole
+group after a worker dies).
+
+    torchrun --nproc-per-node 4 --max-restarts 1 examples/train_elastic.py --run-dir /tmp/run \\
+        --steps 12 --every 4 --kill-rank 1 --kill-step 6
+
+With --kill-rank/--kill-step, that rank SIGKILLs itself between forward and backward of
+that step, the first time only (a marker file in the run directory remembers it): the
+other ranks are stuck in a collective until the agent stops them and restarts the group,
+which resumes from the checkpoint at step 4 and runs steps 4..11 again. The final weights
+equal an uninterrupted run's exactly (tests/test_resume.py checks it).
+
+The model is a tiny GPT-2 or Llama from a transformers config (random weights, seed 0);
+the batch of step s is drawn from a generator seeded with s, so the data position is the
+step. Dropout is on, so the restored per-rank RNG states matter. Rank 0 appends a line per
+attempt to <run-dir>/attempts.jsonl and writes the final full state dict to
+<run-dir>/final.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _launch import launch, mesh_size  # noqa: E402
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers as T
+    torch.manual_seed(0)
+    if args.model == "llama":
+        config = T.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                               num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                               vocab_size=args.vocab, max_position_embeddings=args.seq, attention_dropout=args.dropout,
+                               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return T.LlamaForCausalLM(config).train()
+    config = T.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
+                          n_positions=args.seq, attn_pdrop=args.dropout, resid_pdrop=args.dropout,
+                          embd_pdrop=args.dropout, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return T.GPT2LMHeadModel(config).train()
+
+
+def batch_at(step: int, args: argparse.Namespace) -> torch.Tensor:
+    """The batch of `step`, the same on every rank and in every attempt."""
+    g = torch.Generator().manual_seed(1_000_003 * args.data_seed + step)
+    return torch.randint(1, args.vocab, (args.batch, args.seq), generator=g)
+
+
+def cost_preset(name: str):
+    """A device preset name, or "cheap-comm": nearly free communication, so that even a
+    model this small is planned sharded (collectives in every step, as at scale)."""
+    if name == "cheap-comm":
+        from autopar.tools.simulated import CHEAP_COMM
+        return CHEAP_COMM
+    return name
+
+
+def maybe_die(rank: int, step: int, args: argparse.Namespace) -> None:
+    """Kill this process mid-step, once per run directory (the marker stays)."""
+    if rank != args.kill_rank or step != args.kill_step:
+        return
+    try:
+        fd = os.open(os.path.join(args.run_dir, "killed.marker"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # the restarted attempt passes this step
+    os.write(fd, f"rank {rank} killed itself at step {step}\n".encode())
+    os.fsync(fd)
+    os.close(fd)
+    print(f"rank {rank}: SIGKILL at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def log_attempt(args: argparse.Namespace, **fields) -> None:
+    fields["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    with open(os.path.join(args.run_dir, "attempts.jsonl"), "a") as f:
+        f.write(json.dumps(fields) + "\n")
+    print(json.dumps(fields), flush=True)
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> None:
+    import autopar
+    torch.set_num_threads(1)
+    root = os.path.join(args.run_dir, "checkpoints")
+    example = batch_at(0, args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # planned now: shard layouts must exist before resuming
+        pm = autopar.compile(build_model(args), (), {"input_ids": example, "labels": example},
+                             mesh=tuple(int(x) for x in args.mesh.split(",")), device=cost_preset(args.device))
+    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, eps=1e-6)
+    manifest = autopar.resume(pm, opt, root)  # rank 0 picks the newest complete checkpoint
+    start = manifest.step if manifest is not None else 0
+    if rank == 0:
+        print(pm.plan.summary(), flush=True)
+        log_attempt(args, event="start", step=start, resumed=manifest is not None)
+    for step in range(start, args.steps):
+        ids = batch_at(step, args)
+        loss = pm(input_ids=ids, labels=ids).loss
+        maybe_die(rank, step, args)
+        loss.backward()
+        pm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            print(f"step {step:>4} loss {loss.item():.4f}", flush=True)
+        if (step + 1) % args.every == 0:
+            autopar.save_training_checkpoint(pm, opt, root, step + 1, keep=args.keep)
+    full = pm.full_state_dict()
+    if rank == 0:
+        final = os.path.join(args.run_dir, "final.pt")
+        torch.save(full, final + ".tmp")
+        os.replace(final + ".tmp", final)  # a reader never sees half a file
+        log_attempt(args, event="end", steps_run=args.steps - start)
+
+
+def init_attempt(timeout_s: float) -> None:
+    """The default process group of this torchrun attempt. torchrun (2.4 and later) shares
+    its agent's TCPStore with the workers and keeps it across restarts, so a restarted
+    group would find the dead attempt's gloo addresses under the same keys and connect to
+    them (pytorch/pytorch#135712); a prefix per attempt keeps each attempt's keys apart."""
+    from datetime import timedelta
+    import torch.distributed as dist
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True, help="checkpoints, logs, the kill marker and final.pt go here")
+    p.add_argument("--mesh", default="2,2")
+    p.add_argument("--device", default="cheap-comm", help="cost-model preset to plan for (cpu, h100, ..., cheap-comm)")
+    p.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=4, help="checkpoint every k steps")
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    p.add_argument("--kill-rank", type=int, default=-1, help="this rank kills itself (once) ...")
+    p.add_argument("--kill-step", type=int, default=-1, help="... between forward and backward of this step")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--data-seed", type=int, default=0)
+    args = p.parse_args()
+    os.makedirs(args.run_dir, exist_ok=True)
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:  # not under torchrun: spawn the ranks here
+        launch(run, args, mesh_size(args.mesh), timeout_s=120)
+        return
+    import torch.distributed as dist
+    init_attempt(timeout_s=120)
+    try:
+        run(dist.get_rank(), dist.get_world_size(), args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
