@@ -9,7 +9,7 @@ from torch import nn
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.core.placement import Spec, TensorMeta, parse_placements
+from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.passes.buffer_layouts import LocalBuffers
 from autopar.passes.planning import options_with, plan  # noqa: F401 - plan is re-exported
 from autopar.runtime.generation import Generator
@@ -54,7 +54,8 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     first, and prefill over `prefill_len` positions, default max_cache_len). The solver
     chooses the cache's layout among splits by batch and by KV heads (or replicated);
     `cache_layout` (one placement per mesh axis, e.g. "RS(1)") fixes it instead.
-    Both plans are made now, every rank taking part.
+    Both plans are made now, every rank taking part; then the wrapper's full cache is
+    dropped (each rank keeps only its block).
     """
     opts = options_with(options, {"training": False, **option_overrides})
     mesh_ = Mesh.of(mesh)
@@ -63,6 +64,7 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     pm = ParallelModule(cached, mesh_, opts, local_buffers=LocalBuffers(tuple(cached.cache_names()), (0, 1), layout))
     gen = Generator(pm, cached.shape, prefill_len or max_cache_len)
     gen.prepare()
+    cached.release_cache()  # every rank holds its block now; both plans are made
     return gen
 
 
@@ -71,8 +73,9 @@ def _cache_layout(text: Optional[str], cached: CachedLM, mesh: Mesh) -> Any:
         return None
     layout = parse_placements(text)
     meta = TensorMeta.of(cached.key_cache_0)
-    if len(layout) != mesh.ndim or not Spec(layout, meta).fits(mesh.shape):
+    idle = any(p != R and n == 1 for p, n in zip(layout, mesh.shape))
+    if len(layout) != mesh.ndim or idle or not Spec(layout, meta).fits(mesh.shape):
         raise MeshError(f"cache_layout={text!r} does not split the cache (batch, kv_heads, length, head_dim) = "
                         f"{tuple(meta.shape)} evenly over mesh {mesh.shape}; give one placement per mesh axis "
-                        "(R, S(0) for batch, S(1) for KV heads) whose splits divide those dims")
+                        "(R, S(0) for batch, S(1) for KV heads; R on an axis of size 1) whose splits divide those dims")
     return layout

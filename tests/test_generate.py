@@ -126,7 +126,7 @@ def check_greedy(results: list[dict], family: str, split: bool) -> None:
 
 # (family, mesh, cache layout or None for the solver's): one spawn of 4 ranks runs them all
 QUICK = [("gpt2", (1, 4), None), ("llama", (1, 4), "RS(1)"), ("mistral", (2, 2), "S(0)S(1)")]
-SLOW = [("gpt2", (2, 2), "S(0)S(1)"), ("llama", (2, 2), None), ("mistral", (1, 4), None), ("mistral", (1, 4), "S(0)R")]
+SLOW = [("gpt2", (2, 2), "S(0)S(1)"), ("llama", (2, 2), None), ("mistral", (1, 4), None), ("mistral", (2, 2), "S(0)R")]
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +170,58 @@ def test_greedy_equals_one_device_rest_of_grid():
 def test_greedy_equals_one_device_on_2x4():
     results = run_ranks(8, [(case_generate, {"family": "mistral", "mesh": (2, 4), "cache_layout": "S(0)S(1)"})])
     check_greedy([per_rank[0] for per_rank in results], "mistral", split=True)
+
+
+# ---- in one process: the layout choice and the local update, offline (no ranks) --------
+
+@pytest.fixture(scope="module")
+def traced_decode():
+    from autopar.passes.planning import trace_for_planning
+    from autopar.runtime.kv_cache import CachedLM
+    cached = CachedLM(tiny_lm("llama"), MAX_BATCH, MAX_CACHE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace_for_planning(cached, (torch.zeros(MAX_BATCH, 1, dtype=torch.long), torch.tensor([0])))
+    return cached, traced
+
+
+def test_solver_picks_the_cheapest_cache_layout_and_keeps_a_split_update_local(traced_decode):
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.core.placement import R, Shard
+    from autopar.passes.buffer_layouts import LocalBuffers, candidate_layouts, plan_local_buffers
+    from autopar.passes.planning import plan_annotated
+    cached, traced = traced_decode
+    mesh, opts = Mesh((1, 4)), Options(training=False)
+    meta = next(gi.meta for gi in traced.inputs if gi.target == "key_cache_0")
+    # batch 2 does not divide 4 ways: replicated, or split by the 4 KV heads
+    assert candidate_layouts(meta, mesh, (0, 1)) == [(R, R), (R, Shard(1))]
+    tried = []
+
+    def solve(graph):
+        plan = plan_annotated(graph, opts)
+        tried.append((graph.node("b_key_cache_0").strategies[0].outputs[0].placements, plan))
+        return plan
+
+    local = LocalBuffers(tuple(cached.cache_names()), (0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        best = plan_local_buffers(traced, mesh, opts, None, local, solve)
+    assert [layout for layout, _ in tried] == [(R, R), (R, Shard(1))]
+    assert best.total_s == min(p.total_s for _, p in tried)
+    split = dict(tried)[(R, Shard(1))]
+    updates = {u.index for u in traced.buffer_updates if u.target in local.names}
+    into_output = [e for e in split.edges if e.consumer == "output" and e.position in updates]
+    assert len(into_output) == len(updates) == 4
+    assert all(str(split.node("output").inputs[e.position]) == "RS(1)" and not e.steps for e in into_output)
+
+
+def test_a_cache_layout_that_does_not_split_evenly_is_refused(traced_decode):
+    from autopar.api import _cache_layout
+    from autopar.core.errors import MeshError
+    from autopar.core.mesh import Mesh
+    cached, _ = traced_decode
+    for text, mesh in [("S(0)R", (1, 4)), ("RS(0)", (1, 4)), ("S(1)", (1, 4))]:  # idle axis, 2 rows / 4, 1 axis
+        with pytest.raises(MeshError, match="cache_layout"):
+            _cache_layout(text, cached, Mesh(mesh))
+    assert _cache_layout("RS(1)", cached, Mesh((1, 4))) is not None

@@ -59,6 +59,13 @@ class Generator:
         cached = CachedLM(model, max_batch, max_cache_len)
         return cls(cached, cached.shape, prefill_len or max_cache_len)
 
+    @property
+    def cache_layout(self) -> str:
+        """The placements of the cache's key and value buffers ("RS(1)": KV heads split over
+        mesh axis 1), or "one device"."""
+        specs = getattr(self.step, "state_specs", {})
+        return str(specs["key_cache_0"]) if "key_cache_0" in specs else "one device"
+
     def prepare(self) -> None:
         """Plan both steps now, decode first (step 1)."""
         self.step(*self._decode_inputs(torch.zeros(self.shape.batch, dtype=torch.long), 0))

@@ -57,6 +57,11 @@ class CachedLM(nn.Module):
         from transformers.integrations.executorch import get_head_shapes
 
         config = model.config.get_text_config()
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int) and max_cache_len > positions:
+            raise UnsupportedModelError(
+                f"max_cache_len={max_cache_len} is longer than {type(model).__name__}'s "
+                f"max_position_embeddings={positions}; pass max_cache_len <= {positions}")
         window = getattr(config, "sliding_window", None)
         if window is not None and max_cache_len > window:
             raise UnsupportedModelError(
@@ -83,7 +88,18 @@ class CachedLM(nn.Module):
         """The state names of the key and value buffers, layer by layer."""
         return [f"{kind}_cache_{i}" for i in range(self.shape.layers) for kind in ("key", "value")]
 
+    def release_cache(self) -> None:
+        """Drop this module's own full cache: once a ParallelModule holds each rank's block
+        (after its plans are made) the full tensors would only double the memory the split
+        saves. The module cannot run or be traced again afterwards."""
+        for name in self.cache_names():
+            setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+        self.released = True
+
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "released", False):
+            raise RuntimeError("this CachedLM released its cache to a ParallelModule (release_cache); run the "
+                               "ParallelModule, or build a new CachedLM")
         with torch.no_grad():
             for i, layer in enumerate(self.cache.layers):
                 # 1. the layers write into this module's buffers, from cache_position[0] on
