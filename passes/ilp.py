@@ -38,16 +38,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-import pulp
-
 from autopar.core.errors import SolverError
 from autopar.cost_models.edge_prices import INF, DstKey, EdgePricer
+from autopar.passes.solver_backend import LinearProgram
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
 
 US = 1e6  # the time objective is in microseconds, which keeps coefficients well scaled
 MIB = 2**20  # the memory objective is in MiB, for the same reason
 
-Variable = Optional[pulp.LpVariable]  # None: a choice that is impossible, i.e. fixed at 0
+Variable = Optional[int]  # a column of the LinearProgram; None: a choice that is impossible, i.e. fixed at 0
 
 
 # ---- coefficients ------------------------------------------------------------------
@@ -133,11 +132,10 @@ def _add_inner_reshard(cost: list[float], edge: Edge, graph: AnnotatedGraph, gro
 # ---- variables and linear terms ----------------------------------------------------
 
 class LinearTerms:
-    """sum_v a_v v + constant, accumulated per variable (PuLP's operator overloading is
-    slow at 10^5 terms)."""
+    """sum_v a_v v + constant, accumulated per variable (column)."""
 
     def __init__(self) -> None:
-        self.coef: dict[pulp.LpVariable, float] = {}
+        self.coef: dict[int, float] = {}
         self.constant = 0.0
 
     def add(self, var: Variable, c: float) -> None:
@@ -151,8 +149,6 @@ class LinearTerms:
         for var, c in other.coef.items():
             self.coef[var] = self.coef.get(var, 0.0) + c
 
-    def expression(self) -> pulp.LpAffineExpression:
-        return pulp.LpAffineExpression(self.coef, constant=self.constant)
 
 
 @dataclass(frozen=True)
@@ -167,23 +163,16 @@ class IlpVariables:
 
 @dataclass(frozen=True)
 class Ilp:
-    prob: pulp.LpProblem
+    program: LinearProgram
     variables: IlpVariables
 
 
-Objective = Callable[[IlpModel, IlpVariables], pulp.LpAffineExpression]
-
-
-def _variable(prob: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
-    """PuLP 3.3 deprecates free-standing LpVariable in favour of prob.add_variable."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, **kw)
-    return pulp.LpVariable(name, **kw)
+Objective = Callable[[IlpModel, IlpVariables], LinearTerms]
 
 
 # ---- constraint families -----------------------------------------------------------
 
-def one_hot(prob: pulp.LpProblem, model: IlpModel) -> dict[str, tuple[Variable, ...]]:
+def one_hot(prob: LinearProgram, model: IlpModel) -> dict[str, tuple[Variable, ...]]:
     """sum_i s[g,i] = 1 for every group g; s[g,i] is no variable (fixed at 0) where
     c[g,i] is infinite. A copy reuses its representative's s, and so its constraint."""
     s: dict[str, tuple[Variable, ...]] = {}
@@ -192,23 +181,26 @@ def one_hot(prob: pulp.LpProblem, model: IlpModel) -> dict[str, tuple[Variable, 
         if twin != g:
             s[g] = s[twin]
             continue
-        s[g] = tuple(None if c == INF else _variable(prob, f"s_{g}_{i}", cat="Binary")
-                     for i, c in enumerate(model.cost_s[g]))
+        s[g] = tuple(None if c == INF else prob.column(binary=True) for c in model.cost_s[g])
         if all(var is None for var in s[g]):
             raise SolverError(f"node {g} ({model.graph.node(g).op}) has no feasible strategy on mesh "
                               f"{model.graph.mesh.shape}: every choice needs a reshard autopar cannot do")
-        prob += pulp.LpAffineExpression({var: 1 for var in s[g] if var is not None}) == 1, f"onehot_{g}"
+        prob.row({var: 1.0 for var in s[g] if var is not None}, 1.0, 1.0)
     return s
 
 
-def memory_budget(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
+def memory_budget(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
                   budget_bytes: int) -> None:
     """sum_g sum_i m[g,i] s[g,i] <= budget (a copy's bytes count on its representative's s)."""
-    prob += pulp.lpSum(model.nbytes[g][i] * var for g in model.leaders for i, var in enumerate(s[g])
-                       if var is not None) <= budget_bytes, "memory_budget"
+    terms = LinearTerms()
+    for g in model.leaders:
+        for i, var in enumerate(s[g]):
+            if var is not None:
+                terms.add(var, float(model.nbytes[g][i]))
+    prob.row(terms.coef, -INF, float(budget_bytes))
 
 
-def edge_consistency(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
+def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
                      pricer: EdgePricer) -> tuple[tuple[LinearTerms, ...], int]:
     """For every edge e = (u, v) between groups, with src classes o and dst classes r,
 
@@ -224,18 +216,18 @@ def edge_consistency(prob: pulp.LpProblem, model: IlpModel, s: Mapping[str, tupl
     built: dict[tuple[str, int, str, int], LinearTerms] = {}
     reshard: list[LinearTerms] = []
     created = 0
-    for e, edge in enumerate(model.edges):
+    for edge in model.edges:
         key = edge.twin_key(model.rep)
         if key not in built:
             src, dst = _classes(edge, model, s, pricer)
             matrix = [[pricer.cost_between(o, r) for r in dst] for o in src]
-            built[key], n = _link_classes(prob, e, *_merge_alike(list(src.values()), list(dst.values()), matrix))
+            built[key], n = _link_classes(prob, *_merge_alike(list(src.values()), list(dst.values()), matrix))
             created += n
         reshard.append(built[key])
     return tuple(reshard), created
 
 
-Classes = list[list[pulp.LpVariable]]  # per class, the s variables that choose it
+Classes = list[list[int]]  # per class, the s variables that choose it
 
 
 def edge_classes(edge: Edge, model: IlpModel, pricer: EdgePricer
@@ -258,7 +250,7 @@ def edge_classes(edge: Edge, model: IlpModel, pricer: EdgePricer
 
 
 def _classes(edge: Edge, model: IlpModel, s: Mapping[str, tuple[Variable, ...]], pricer: EdgePricer
-             ) -> tuple[dict[int, list[pulp.LpVariable]], dict[DstKey, list[pulp.LpVariable]]]:
+             ) -> tuple[dict[int, list[int]], dict[DstKey, list[int]]]:
     """edge_classes with the s variables of the choices."""
     src, dst = edge_classes(edge, model, pricer)
     su, sv = s[model.groups[edge.producer].leader], s[model.groups[edge.consumer.name].leader]
@@ -292,9 +284,9 @@ def _merge_alike(src: Classes, dst: Classes, matrix: list[list[float]]
         src, dst, matrix = merged_src, merged_dst, [list(row) for row in zip(*columns)]
 
 
-def _link_classes(prob: pulp.LpProblem, e: int, src: Classes, dst: Classes, matrix: list[list[float]]
+def _link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: list[list[float]]
                   ) -> tuple[LinearTerms, int]:
-    """Edge e's constraints and cost terms, without x where a side has one class."""
+    """An edge's constraints and cost terms, without x where a side has one class."""
     terms = LinearTerms()
     if len(src) == 1 and len(dst) == 1 and matrix[0][0] < INF:
         terms.add(None, matrix[0][0] * US)
@@ -302,46 +294,38 @@ def _link_classes(prob: pulp.LpProblem, e: int, src: Classes, dst: Classes, matr
     if len(src) == 1:
         for r, vars_ in enumerate(dst):
             for var in vars_:
-                _add_or_forbid(prob, terms, var, matrix[0][r], f"e{e}_d{r}")
+                _add_or_forbid(prob, terms, var, matrix[0][r])
         return terms, 0
     if len(dst) == 1:
         for o, vars_ in enumerate(src):
             for var in vars_:
-                _add_or_forbid(prob, terms, var, matrix[o][0], f"e{e}_s{o}")
+                _add_or_forbid(prob, terms, var, matrix[o][0])
         return terms, 0
-    by_src: list[dict[pulp.LpVariable, float]] = [{var: -1.0 for var in vars_} for vars_ in src]
-    by_dst: list[dict[pulp.LpVariable, float]] = [{var: -1.0 for var in vars_} for vars_ in dst]
+    by_src: list[dict[int, float]] = [{var: -1.0 for var in vars_} for vars_ in src]
+    by_dst: list[dict[int, float]] = [{var: -1.0 for var in vars_} for vars_ in dst]
     created = 0
     for o, row in enumerate(matrix):
         for r, cost in enumerate(row):
             if cost < INF:
-                x = _variable(prob, f"x_{e}_{o}_{r}", lowBound=0)
+                x = prob.column(binary=False)
                 terms.add(x, cost * US)
                 by_src[o][x] = by_dst[r][x] = 1.0
                 created += 1
-    for o, coef in enumerate(by_src):
-        _equals_zero(prob, coef, f"e{e}_src{o}")
-    for r, coef in enumerate(by_dst):
-        _equals_zero(prob, coef, f"e{e}_dst{r}")
+    for coef in by_src + by_dst:  # sum of the flows = the marginal, as sum coef[v] v = 0
+        prob.row(coef, 0.0, 0.0)
     return terms, created
 
 
-def _equals_zero(prob: pulp.LpProblem, coef: dict[pulp.LpVariable, float], name: str) -> None:
-    """sum_v coef[v] v = 0, built from the dict at once (PuLP's += is slow at scale)."""
-    prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(coef), pulp.LpConstraintEQ, rhs=0), name)
-
-
-def _add_or_forbid(prob: pulp.LpProblem, terms: LinearTerms, var: pulp.LpVariable, cost_s: float,
-                   name: str) -> None:
+def _add_or_forbid(prob: LinearProgram, terms: LinearTerms, var: int, cost_s: float) -> None:
     if cost_s == INF:
-        prob += var == 0, f"forbid_{name}_{var.name}"
+        prob.fix_zero(var)
     else:
         terms.add(var, cost_s * US)
 
 
 # ---- objectives --------------------------------------------------------------------
 
-def time_objective(model: IlpModel, v: IlpVariables) -> pulp.LpAffineExpression:
+def time_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
     """min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r], in microseconds;
     every copy of a group or an edge adds its own terms."""
     terms = LinearTerms()
@@ -351,17 +335,17 @@ def time_objective(model: IlpModel, v: IlpVariables) -> pulp.LpAffineExpression:
                 terms.add(var, model.cost_s[g][i] * US)
     for edge_terms in v.reshard:
         terms.extend(edge_terms)
-    return terms.expression()
+    return terms
 
 
-def memory_objective(model: IlpModel, v: IlpVariables) -> pulp.LpAffineExpression:
+def memory_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
     """min sum_g sum_i m[g,i] s[g,i], in MiB: the smallest footprint, whatever the time."""
     terms = LinearTerms()
     for g in model.leaders:
         for i, var in enumerate(v.s[g]):
             if var is not None:
                 terms.add(var, model.nbytes[g][i] / MIB)
-    return terms.expression()
+    return terms
 
 
 # ---- the whole ILP -----------------------------------------------------------------
@@ -369,7 +353,7 @@ def memory_objective(model: IlpModel, v: IlpVariables) -> pulp.LpAffineExpressio
 def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_objective,
               budget_bytes: Optional[int] = None) -> Ilp:
     """One-hot and edge consistency, the memory budget when there is one, and `objective`."""
-    prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
+    prob = LinearProgram()
     s = one_hot(prob, model)
     if budget_bytes is not None:
         memory_budget(prob, model, s, budget_bytes)
@@ -377,5 +361,6 @@ def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_o
     own = [g for g in model.leaders if model.rep.get(g, g) == g]
     n_s = sum(var is not None for g in own for var in s[g])
     variables = IlpVariables(s, reshard, n_s + n_x, len(own))
-    prob += objective(model, variables)
+    terms = objective(model, variables)
+    prob.minimise(terms.coef, terms.constant)
     return Ilp(prob, variables)

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import pulp
-
 from autopar.core.errors import MemoryBudgetError, SolverError
 from autopar.core.kinds import NodeKind
 from autopar.core.options import Options
@@ -42,7 +40,7 @@ from autopar.passes.dominance import prefer_smaller, prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
 from autopar.passes.rules import Strategy
-from autopar.passes.solver_backend import gap, solve_quietly, solver_for
+from autopar.passes.solver_backend import Solution, SolveStatus, solve_program, solver_name
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
 
 
@@ -166,20 +164,19 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     model = prune_dominated(model, pricer, with_memory=budget is not None)
     # 3. the least time within the budget
     ilp = build_ilp(model, pricer, time_objective, budget)
-    name, solver = solver_for(options)
-    elapsed = solve_quietly(ilp.prob, solver)
-    status = pulp.LpStatus[ilp.prob.status]
-    if status == "Infeasible" and budget is not None:
+    name = solver_name(options)
+    solution = solve_program(ilp.program, options)
+    if solution.status is SolveStatus.INFEASIBLE and budget is not None:
         raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options))
     # 4. read the choice back
-    picks = _picks(ilp, name, status, elapsed, options)
+    picks = _picks(ilp, solution, name)
     if budget is not None:  # memory counts: of equally fast layouts, the smaller
         picks = prefer_smaller(model, picks, pricer)
-    if status != "Optimal":
+    status = solution.status.value
+    if solution.status is not SolveStatus.OPTIMAL:
         status = f"{status} (time limit {options.time_limit_s} s)"
-    objective_s = (pulp.value(ilp.prob.objective) or 0.0) / US
-    report = SolverReport(name, status, objective_s, gap(ilp.prob), elapsed, ilp.variables.count,
-                          ilp.prob.numConstraints(), ilp.variables.groups, blocks.shared_blocks)
+    report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
+                          ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks)
     return read_plan(graph, groups, picks, pricer, costs, report, memory, compute)
 
 
@@ -211,20 +208,20 @@ def _smallest_footprint(model: IlpModel, pricer: EdgePricer, memory: dict[str, l
                         options: Options) -> int:
     """The fewest bytes per rank any plan needs: the optimum of the memory objective."""
     ilp = build_ilp(model, pricer, memory_objective)
-    solve_quietly(ilp.prob, solver_for(options)[1])
-    picks = _picks(ilp, "memory", pulp.LpStatus[ilp.prob.status], 0.0, options)
+    picks = _picks(ilp, solve_program(ilp.program, options), "memory")
     member = model.groups
     return sum(memory[n.name][member[n.name].index_map[picks[member[n.name].leader]]] for n in model.graph.nodes)
 
 
-def _picks(ilp: Ilp, name: str, status: str, elapsed: float, options: Options) -> dict[str, int]:
+def _picks(ilp: Ilp, solution: Solution, name: str) -> dict[str, int]:
     picks = {}
     for leader, vars_ in ilp.variables.s.items():
-        vals = [(v.value() or 0.0) if v is not None else 0.0 for v in vars_]
+        vals = [solution.values[v] if v is not None else 0.0 for v in vars_]
         best = max(range(len(vals)), key=lambda i: vals[i])
         if vals[best] < 0.5:
-            raise SolverError(f"the {name} solver returned {status} without a choice for node {leader} "
-                              f"after {elapsed:.1f} s; raise Options.time_limit_s or set Options.follow=True")
+            raise SolverError(f"the {name} solver returned {solution.status.value} without a choice for node "
+                              f"{leader} after {solution.seconds:.1f} s; raise Options.time_limit_s or set "
+                              "Options.follow=True")
         picks[leader] = best
     return picks
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import warnings
 
-import pulp
 import pytest
 import torch
 
@@ -143,15 +142,19 @@ def test_solving_leaves_the_process_stdout_alone(capfd, monkeypatch):
     # silencing the solver must not redirect file descriptor 1 for the whole process:
     # whatever another thread writes while the ILP solves (here, the solve call itself)
     # still reaches stdout, and nothing else does (no solver banner)
-    solve = pulp.LpProblem.solve
+    import autopar.passes.solver_backend as backend
+    run = backend._run_highs if backend.highspy is not None else backend._run_cbc
+    calls = []
 
-    def solve_and_write(prob, *args, **kwargs):
+    def solve_and_write(*args, **kwargs):
+        calls.append(1)
         os.write(1, b"written during the solve\n")
-        return solve(prob, *args, **kwargs)
+        return run(*args, **kwargs)
 
-    monkeypatch.setattr(pulp.LpProblem, "solve", solve_and_write)
+    monkeypatch.setattr(backend, run.__name__, solve_and_write)
     monkeypatch.setattr(sys, "stdout", sys.__stdout__)  # on file descriptor 1, as outside pytest
     _plan(MLP((16, 64, 16)).eval(), (torch.randn(8, 16),), mesh=(2, 2))
+    assert calls, "the solve did not go through the patched backend"
     assert capfd.readouterr().out == "written during the solve\n"
 
 
@@ -223,3 +226,17 @@ def test_dominance_pruning_counts_every_copy_of_a_clustered_edge(monkeypatch):
     monkeypatch.setattr(solve_module, "prune_dominated", lambda model, pricer, with_memory: model)
     full = plan_traced(traced, Mesh((1, 8)), options)[1]
     assert pruned.solver.objective_s == pytest.approx(full.solver.objective_s, rel=1e-9)
+
+
+def test_cbc_fallback_reaches_the_highs_optimum():
+    # the program passes/solver_backend.py hands HiGHS as arrays goes to CBC through PuLP
+    # when highspy is missing: both must read it alike (bounds, equality rows, the
+    # budget row, fixed columns) and so reach the same optimum
+    model, args = MLP((16, 64, 16)).train(), (torch.randn(8, 16),)
+    for budget in (None, 2**40):
+        highs = _plan(model, args, mesh=(2, 2), solver="highs", memory_budget_bytes=budget)
+        cbc = _plan(model, args, mesh=(2, 2), solver="cbc", memory_budget_bytes=budget)
+        assert (highs.solver.solver, cbc.solver.solver) == ("highs", "cbc")
+        assert cbc.solver.status == highs.solver.status == "Optimal"
+        assert cbc.solver.objective_s == pytest.approx(highs.solver.objective_s, rel=1e-9)
+        assert cbc.total_s == pytest.approx(highs.total_s, rel=1e-9)
