@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -247,3 +248,16 @@ def test_killed_rank_resumes_and_ends_where_an_uninterrupted_run_does(tmp_path):
     for name, value in want.items():
         assert torch.equal(got[name], value), f"{name} differs from the uninterrupted run"
     assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step-00000003", "step-00000006"]
+
+
+@pytest.mark.parametrize("kw, words", [(dict(step=-1), "step=-1"), (dict(step=3, keep=0), "keep=0"),
+                                       (dict(step=3, extra={"sampler": object()}), "JSON")])
+def test_bad_save_arguments_are_refused_before_any_collective(tmp_path, kw, words):
+    with pytest.raises(CheckpointError, match=words):
+        save_training_checkpoint(None, None, tmp_path, **kw)  # no process group: refused before one is needed
+    assert os.listdir(tmp_path) == []
+
+
+def test_checkpoint_error_crosses_processes_with_its_path():
+    e = pickle.loads(pickle.dumps(CheckpointError("checkpoint /x is incomplete", "/x")))
+    assert isinstance(e, CheckpointError) and e.path == "/x" and str(e) == "checkpoint /x is incomplete"

@@ -123,13 +123,11 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
     """Save model shards, optimiser state, `step` and the RNGs of every rank under
     root/step-N, atomically (see the module docstring); every rank calls it. Keeps the
     newest `keep` checkpoints (None: all). Returns the checkpoint's path."""
-    if keep is not None and keep < 1:
-        raise CheckpointError(f"keep={keep} would delete the checkpoint just written; pass keep >= 1, or None to "
-                              "keep every checkpoint")
+    _check_save_arguments(step, keep, extra)
     _require_plan(pm, "saving")
     rank, world = dist.get_rank(), dist.get_world_size()
     final = checkpoint_dir(root, step)
-    temp = f"{final}{_TEMP}{_broadcast(uuid.uuid4().hex[:8] if rank == 0 else None)}"
+    temp = f"{final}{_TEMP}{_broadcast(uuid.uuid4().hex[:8] if rank == 0 else None)}"  # 1.
     try:  # 2.
         dcp.save(training_entries(pm, optimizer, rank), checkpoint_id=temp)
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP raised on every rank: none renames
@@ -139,9 +137,9 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
                               f"not completed, and {latest_checkpoint(root) or 'no earlier checkpoint'} is still "
                               "the latest", temp) from e
     names = _broadcast(_files(temp) if rank == 0 else None)  # 3.
-    facts = _gather([_fact(temp, n) for n in names[rank::world]])
-    problem = None
-    if rank == 0:  # 4.
+    facts = _gather(_facts(temp, names[rank::world]))
+    problem = next((f for f in facts if isinstance(f, str)), None)
+    if rank == 0 and problem is None:  # 4.
         manifest = _manifest(pm, step, world, sorted(f for part in facts for f in part), extra or {})
         problem = _complete(temp, final, manifest)
     problem = _broadcast(problem)
@@ -152,12 +150,27 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
     return final
 
 
+def _check_save_arguments(step: int, keep: Optional[int], extra: Optional[dict]) -> None:
+    """Checked on every rank before any collective, so all refuse alike."""
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step={step!r}: pass the number of steps done (an int >= 0); it is where a resume "
+                              "continues")
+    if keep is not None and keep < 1:
+        raise CheckpointError(f"keep={keep} would delete the checkpoint just written; pass keep >= 1, or None to "
+                              "keep every checkpoint")
+    try:
+        json.dumps(extra or {})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra={extra!r} cannot be written to the JSON manifest ({e}); pass JSON values "
+                              "(numbers, strings, lists, dicts)") from None
+
+
 def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict) -> CheckpointManifest:
     current = getattr(pm, "current", None)
-    return CheckpointManifest(step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=model_digest(pm),
-                    layout_digest=_digest((n, str(s)) for n, s in sorted(pm.state_specs.items())),
-                    plan_digest=current.plan.digest() if current is not None else "", files=tuple(files),
-                    extra=dict(extra))
+    return CheckpointManifest(
+        step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=model_digest(pm),
+        layout_digest=_digest((n, str(s)) for n, s in sorted(pm.state_specs.items())),
+        plan_digest=current.plan.digest() if current is not None else "", files=tuple(files), extra=dict(extra))
 
 
 def _complete(temp: str, final: str, manifest: CheckpointManifest) -> Optional[str]:
@@ -264,7 +277,10 @@ def _verify_files(path: str, files: tuple) -> Optional[str]:
         full = os.path.join(path, name)
         if not os.path.isfile(full):
             return f"checkpoint {path} is missing its file {name}; it is damaged: resume from another checkpoint"
-        fact = _fact(path, name)
+        try:
+            fact = _fact(path, name)
+        except OSError as e:
+            return f"checkpoint {path}: {name} cannot be read ({e}); resume from another checkpoint"
         if fact[1] != size:
             return (f"checkpoint {path}: {name} has {fact[1]} bytes, the manifest says {size} (truncated or "
                     "overwritten); it is damaged: resume from another checkpoint")
@@ -287,6 +303,14 @@ def _files(folder: str) -> list[str]:
     for here, _, names in os.walk(folder):
         out += [os.path.relpath(os.path.join(here, n), folder) for n in names]
     return sorted(n for n in out if n != MANIFEST)
+
+
+def _facts(folder: str, names: list[str]) -> "list[tuple[str, int, int]] | str":
+    """(name, bytes, crc32) of each file, or what went wrong reading them."""
+    try:
+        return [_fact(folder, n) for n in names]
+    except OSError as e:
+        return f"checksumming the new checkpoint {folder} failed ({e}); it stays incomplete and is ignored"
 
 
 def _fact(folder: str, name: str) -> tuple[str, int, int]:
