@@ -158,7 +158,19 @@ def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
     finally:
         writer.write_data = original
     dist.barrier()
-    return {"failure": failure, "listing": sorted(os.listdir(root)), "latest": latest_checkpoint(root)}
+    listing = sorted(os.listdir(root))
+    # rank 0 chooses what every rank resumes: rank 1's own view of the directory is ignored
+    from autopar.runtime import resume as module
+    own_view = module.latest_checkpoint
+    if rank == 1:
+        module.latest_checkpoint = lambda root: os.path.join(root, "step-00000002")
+    try:
+        resumed_at = resume(pm, opt, root).step
+    finally:
+        module.latest_checkpoint = own_view
+    nothing = resume(pm, opt, os.path.join(root, "empty"))
+    return {"failure": failure, "listing": listing, "latest": latest_checkpoint(root), "resumed_at": resumed_at,
+            "fresh_start": nothing is None}
 
 
 @pytest.fixture(scope="module")
@@ -200,12 +212,13 @@ def test_latest_skips_incomplete_directories(two_ranks):
     assert res["latest_damaged"] == res["paths"]["missing"]
 
 
-def test_failed_save_leaves_no_checkpoint(two_ranks):
+def test_failed_save_leaves_no_checkpoint_and_rank0_decides_the_resume(two_ranks):
     for per_rank in two_ranks:
         res = per_rank[2]
         assert res["failure"] is not None and "rank 1: OSError: disk full (injected)" in res["failure"], res["failure"]
         assert res["listing"] == ["step-00000002", "step-00000003"], res["listing"]
         assert res["latest"].endswith("step-00000003")
+        assert res["resumed_at"] == 3 and res["fresh_start"]
 
 
 def test_latest_checkpoint_without_ranks(tmp_path):
