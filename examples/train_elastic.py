@@ -38,8 +38,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     import transformers as T
     torch.manual_seed(0)
     if args.model == "llama":
-        config = T.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                               num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        config = T.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                               intermediate_size=2 * args.hidden, num_attention_heads=args.heads,
+                               num_key_value_heads=args.heads,
                                vocab_size=args.vocab, max_position_embeddings=args.seq, attention_dropout=args.dropout,
                                use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         return T.LlamaForCausalLM(config).train()
