@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 import autopar
 from autopar.core.errors import CheckpointError
-from autopar.runtime.resume import (MANIFEST, checkpoint_dir, latest_checkpoint, load_training_checkpoint, resume,
-                                    save_training_checkpoint)
+from autopar.runtime.resume import (MANIFEST, PlanChangedWarning, checkpoint_dir, latest_checkpoint,
+                                    load_training_checkpoint, resume, save_training_checkpoint)
 from autopar.tools.simulated import CHEAP_COMM
 from tests import models
 from tests.harness import run_ranks
@@ -82,11 +82,14 @@ def continue_equals_uninterrupted(rank: int, world: int, root: str) -> dict:
     random.seed(123)  # run B starts from other RNG states and other weights
     pm_b, opt_b = _compiled(seed=7)
     different_start = any(not torch.equal(pm_b.state_tensors[k], v) for k, v in _params(pm).items())
-    manifest = resume(pm_b, opt_b, root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest = resume(pm_b, opt_b, root)
     _train(pm_b, opt_b, range(manifest.step, 6))
     b = {"params": _params(pm_b), "draws": (torch.rand(4), random.random())}
     return {"a": a, "b": b, "step": manifest.step, "extra": manifest.extra, "path": path,
-            "different_start": different_start, "adam_steps": [float(s["step"]) for s in opt_b.state.values()]}
+            "different_start": different_start, "replan_warned": any(issubclass(w.category, PlanChangedWarning) for w in caught),
+            "adam_steps": [float(s["step"]) for s in opt_b.state.values()]}
 
 
 def _damaged_copies(good: str, root: str) -> dict:
@@ -169,8 +172,20 @@ def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
     finally:
         module.latest_checkpoint = own_view
     nothing = resume(pm, opt, os.path.join(root, "empty"))
+    # another plan (the cpu preset keeps this tiny MLP whole): DCP reshards exactly, and it warns
+    (x,), _ = models.inputs("mlp", batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other = autopar.compile(models.build("mlp", seed=5).train(), (x,), mesh=MESH, device="cpu")
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3, eps=1e-6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resume(other, other_opt, root)
+    want, got = pm.full_state_dict(), other.full_state_dict()
     return {"failure": failure, "listing": listing, "latest": latest_checkpoint(root), "resumed_at": resumed_at,
-            "fresh_start": nothing is None}
+            "fresh_start": nothing is None, "plans_differ": other.plan.digest() != pm.plan.digest(),
+            "replan_warned": any(issubclass(w.category, PlanChangedWarning) for w in caught),
+            "replanned_equal": all(torch.equal(got[k], v) for k, v in want.items())}
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +199,7 @@ def test_resume_restores_optimizer_rng_and_position(two_ranks):
     for rank, per_rank in enumerate(two_ranks):
         res = per_rank[0]
         assert res["different_start"], "run B must start from other weights, or the test could not fail"
-        assert res["step"] == 3 and res["extra"] == {"epoch": 0}
+        assert res["step"] == 3 and res["extra"] == {"epoch": 0} and not res["replan_warned"]
         assert res["adam_steps"] and set(res["adam_steps"]) == {6.0}  # 3 restored + 3 more
         for name, want in res["a"]["params"].items():
             assert torch.equal(res["b"]["params"][name], want), f"rank {rank} {name} differs after resuming"
@@ -219,6 +234,13 @@ def test_failed_save_leaves_no_checkpoint_and_rank0_decides_the_resume(two_ranks
         assert res["listing"] == ["step-00000002", "step-00000003"], res["listing"]
         assert res["latest"].endswith("step-00000003")
         assert res["resumed_at"] == 3 and res["fresh_start"]
+
+
+def test_resume_under_another_plan_reshards_exactly_and_warns(two_ranks):
+    for per_rank in two_ranks:
+        res = per_rank[2]
+        assert res["plans_differ"], "the cpu preset planned the MLP as the cheap-comm one did: the test is void"
+        assert res["replan_warned"] and res["replanned_equal"]
 
 
 def test_latest_checkpoint_without_ranks(tmp_path):

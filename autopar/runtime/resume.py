@@ -27,6 +27,11 @@ does. Then dcp.load fills shards, optimiser and RNGs. `resume` lets rank 0 choos
 newest complete checkpoint and broadcasts its path, so all ranks load the same one even
 if a save completes while they look.
 
+What must match: world size and mesh (each rank restores its own RNG streams, and the
+per-rank programs are the mesh's) and the model (names, shapes, dtypes). Another plan on
+the same mesh only warns (PlanChangedWarning): DCP reshards weights and optimiser states
+exactly, but the continuation runs other programs, so it is not bit-identical.
+
 Why: torchrun's elastic agent restarts the whole group after a lost rank, at any moment
 of a save. The restarted group must find a checkpoint that is whole and must continue as
 if it was never stopped: same weights, optimiser moments, data position (the step) and
@@ -42,6 +47,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -60,6 +66,10 @@ FORMAT = 1
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _TEMP = ".tmp-"
 _CHUNK = 1 << 20
+
+
+class PlanChangedWarning(UserWarning):
+    """A checkpoint is resumed under another plan than the one it was saved under."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +241,7 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
                               "not written by save_training_checkpoint: resume from an earlier one", path) from e
     restore(pm, optimizer, targets, rank, path)
     pm.loaded = True
+    _warn_if_replanned(pm, manifest, path)
     return manifest
 
 
@@ -239,6 +250,16 @@ def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike") -> Optio
     all follow); None when there is none yet (start from step 0)."""
     path = _broadcast(latest_checkpoint(root) if dist.get_rank() == 0 else None)
     return None if path is None else load_training_checkpoint(pm, optimizer, path)
+
+
+def _warn_if_replanned(pm: ShardedModel, manifest: CheckpointManifest, path: str) -> None:
+    current = getattr(pm, "current", None)
+    now = current.plan.digest() if current is not None else ""
+    if manifest.plan_digest and now and now != manifest.plan_digest:
+        warnings.warn(PlanChangedWarning(
+            f"checkpoint {path} was saved under plan {manifest.plan_digest}, this run uses {now} (other options or "
+            "cost model?): weights and optimiser state are restored exactly, but the steps that follow run other "
+            "per-rank programs and will not be bit-identical to the run that saved it"), stacklevel=3)
 
 
 def model_digest(pm: ShardedModel) -> str:
