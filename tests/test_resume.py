@@ -87,8 +87,9 @@ def continue_equals_uninterrupted(rank: int, world: int, root: str) -> dict:
         manifest = resume(pm_b, opt_b, root)
     _train(pm_b, opt_b, range(manifest.step, 6))
     b = {"params": _params(pm_b), "draws": (torch.rand(4), random.random())}
+    replan_warned = any(issubclass(w.category, PlanChangedWarning) for w in caught)
     return {"a": a, "b": b, "step": manifest.step, "extra": manifest.extra, "path": path,
-            "different_start": different_start, "replan_warned": any(issubclass(w.category, PlanChangedWarning) for w in caught),
+            "different_start": different_start, "replan_warned": replan_warned,
             "adam_steps": [float(s["step"]) for s in opt_b.state.values()]}
 
 
