@@ -122,7 +122,12 @@ def solve_program(program: LinearProgram, options: Options) -> Solution:
 # and bound that the root LP settles; HiGHS's worker threads only spin beside it, and on
 # a loaded 2-core machine they cost more than they give (hrm_text, machine busy: 28 s
 # wall with its default threads, 18 s with one; kimi_linear 19 s and 8 s; same optimum).
-EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1}
+# No presolve: it finds little to remove (the x flows are already merged per class and
+# pruned, passes/ilp.py and dominance.py) and costs more than it saves, twice the solve on
+# every model tried (kimi_linear (2, 4) 7.3-10.0 s with it, 3.9-4.1 s without; hrm_text
+# 9.7-11.1 and 6.8-7.0; funnel 5.5 and 2.9; t5gemma 3.2 and 1.4; llama 0.9 and 0.4; same
+# optimum every time).
+EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1, "presolve": "off"}
 
 
 def _run_highs(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tuple[float, ...], float, Optional[float]]:
