@@ -100,6 +100,9 @@ class SweepResult:
     stage: Optional[Stage]  # where it stopped; None when it passed every stage it ran
     cause: str = ""  # first line(s) of the error or mismatch
     times_s: dict[str, float] = field(default_factory=dict)  # stage value -> seconds
+    # stage value -> CPU seconds of the worker (one torch thread): what a stage costs
+    # apart from what else the machine runs
+    cpu_s: dict[str, float] = field(default_factory=dict)
     params: int = 0
     sharded_params: int = 0  # parameters the plan stores split on some mesh axis
     sharded_values: int = 0  # graph values (parameters, activations) split on some mesh axis
@@ -145,6 +148,7 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
     """Run one architecture through the stages in this process (the sweep calls it in a
     forked worker; tests may call it directly)."""
     times: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     facts = {"params": 0, "sharded_params": 0, "sharded_values": 0, "float64_only": False}
     order = list(Stage)
 
@@ -153,7 +157,7 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
 
     def stage(s: Stage, fn: Callable[[], Any]) -> Any:
         on_stage(s)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         try:
             return fn()
         except _Stopped:
@@ -163,6 +167,7 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
             raise _Stopped(where, Outcome.ERROR, _cause(e)) from e
         finally:
             times[s.value] = round(time.perf_counter() - start, 3)
+            cpu[s.value] = round(time.process_time() - start_cpu, 3)
 
     try:
         model, kwargs = stage(Stage.CONFIG, lambda: Tiny(arch, model_class, options.task, options.training, options.batch,
@@ -186,8 +191,8 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
             if options.ranks and reached(Stage.RANKS):
                 stage(Stage.RANKS, lambda: _on_ranks(arch, model_class, plan, options))
     except _Stopped as s:
-        return SweepResult(arch, model_class, s.outcome, s.stage, s.cause, times, **facts)
-    return SweepResult(arch, model_class, Outcome.PASS, None, "", times, **facts)
+        return SweepResult(arch, model_class, s.outcome, s.stage, s.cause, times, cpu, **facts)
+    return SweepResult(arch, model_class, Outcome.PASS, None, "", times, cpu, **facts)
 
 
 def _simulate_and_compare(model: torch.nn.Module, kwargs: dict, traced, plan, ref: Reference,
@@ -333,12 +338,13 @@ CATEGORIES = ("pass", "config", "single-device", "export", "trace", "plan", "sim
               "ranks-mismatch", "ranks-error", "timeout", "error")
 
 
-def stage_times(results: list[SweepResult]) -> dict[str, tuple[float, float, str]]:
-    """stage -> (median s, max s, the slowest architecture), over the runs that finished it."""
+def stage_times(results: list[SweepResult], cpu: bool = False) -> dict[str, tuple[float, float, str]]:
+    """stage -> (median s, max s, the slowest architecture), over the runs that finished it;
+    `cpu`: CPU seconds instead of wall-clock."""
     out = {}
     for s in Stage:
-        done = [(r.times_s[s.value], r.arch) for r in results
-                if s.value in r.times_s and not (r.stage is s and r.outcome is not Outcome.PASS)]
+        done = [((r.cpu_s if cpu else r.times_s)[s.value], r.arch) for r in results
+                if s.value in (r.cpu_s if cpu else r.times_s) and not (r.stage is s and r.outcome is not Outcome.PASS)]
         if done:
             worst = max(done)
             out[s.value] = (statistics.median(t for t, _ in done), worst[0], worst[1])
@@ -357,9 +363,11 @@ def summary(results: list[SweepResult], options: SweepOptions) -> str:
     lines += ["", f"not autopar's (config, single-device): {theirs}; torch.export failures: {counts['export']}"]
     if any(Stage.EXPORT.value in r.times_s for r in results):
         lines.append(f"autopar: {counts['pass']} of {len(exported)} exported architectures pass")
-    lines += ["", f"{'stage':<16} {'median s':>9} {'max s':>8}  slowest"]
+    lines += ["", f"{'stage':<16} {'median s':>9} {'max s':>8}  slowest     (CPU s: median, max, slowest)"]
+    by_cpu = stage_times(results, cpu=True)
     for s, (med, worst, arch) in stage_times(results).items():
-        lines.append(f"  {s:<14} {med:9.2f} {worst:8.2f}  {arch}")
+        c = by_cpu.get(s)
+        lines.append(f"  {s:<14} {med:9.2f} {worst:8.2f}  {arch:<20}" + (f" {c[0]:6.2f} {c[1]:6.2f}  {c[2]}" if c else ""))
     if mine:
         lines += ["", "failures counted against autopar:"]
         lines += [f"  {r.arch:<24} {r.category:<18} {r.cause.splitlines()[0][:200] if r.cause else ''}"
