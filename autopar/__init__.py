@@ -19,6 +19,7 @@ from autopar._version import __version__
 # public name -> the module that defines it (layers: core -> cost_models -> passes -> runtime -> tools/api)
 _EXPORTS = {
     "Mesh": "autopar.core.mesh", "Options": "autopar.core.options",
+    "Dynamic": "autopar.core.dynamic", "OutOfRange": "autopar.core.dynamic",
     "Spec": "autopar.core.placement", "TensorMeta": "autopar.core.placement", "Shard": "autopar.core.placement",
     "Replicate": "autopar.core.placement", "Partial": "autopar.core.placement",
     "Plan": "autopar.core.plan", "Collective": "autopar.core.plan",

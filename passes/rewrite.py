@@ -16,6 +16,8 @@ node.meta["autopar.step"] (the Step of a start or wait node).
 
 from __future__ import annotations
 
+import operator
+from math import prod
 from typing import Any, Optional
 
 import torch
@@ -23,10 +25,11 @@ from torch import fx, nn
 
 from autopar import _compat
 from autopar.core.kinds import NodeKind, StepKind
-from autopar.core.placement import block_index
+from autopar.core.placement import Spec, block_index
 from autopar.core.resharding import Step
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan
+from autopar.passes.dynamic import is_symbolic
 from autopar.passes.local_ops import embedding_block
 from autopar.passes.program import StepModule, WaitModule
 from autopar.passes.strategies import OUTPUT
@@ -68,9 +71,16 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
         elif node.op == "call_function":
             args, kwargs = _map_tensor_args((node.args, node.kwargs), node.name, env, edges, resharded)
             target = node.target
+            if target is aten.sym_size.int:  # a symbolic size is read whole (passes/dynamic.py)
+                env[node.name] = global_size(graph, node, env[node.args[0].name], choice, mesh_shape)
+                continue
             if node.name in choice:
+                sizes_done = target in SIZE_ARG_OPS and is_symbolic(node.meta.get("val"))
+                if sizes_done:
+                    sizes = local_sizes(graph, args[1], choice[node.name].outputs[0], mesh_shape)
+                    args = (args[0], sizes) + tuple(args[2:])
                 target, args = localize_call(target, tuple(args), choice[node.name].inputs,
-                                             choice[node.name].outputs, mesh_shape, coords)
+                                             choice[node.name].outputs, mesh_shape, coords, sizes_done)
             if device is not None and isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": device}
             target = LOCAL_TARGET.get(target, target)
@@ -135,6 +145,37 @@ def deferred_grad_syncs(traced: TracedGraph, plan: Plan) -> dict[str, tuple[int,
     return {name: next(iter(a)) for name, a in axes.items() if len(a) == 1 and None not in a}
 
 
+def global_size(graph: fx.Graph, node: fx.Node, local: fx.Node, choice: dict, mesh_shape: tuple[int, ...]) -> fx.Node:
+    """sym_size(x, d) of a traced graph with symbolic dims, in the rank program: x is this
+    rank's block, so a dim split k ways reads k times its local size. Every size the
+    graph computes from it stays global (what arange and the factories, which run
+    replicated, need); local_sizes divides where an op needs the block's size."""
+    source = node.args[0]
+    spec = choice[source.name].outputs[0] if source.name in choice and choice[source.name].outputs else None
+    ways = prod(mesh_shape[a] for a in spec.shard_axes(node.args[1])) if spec is not None else 1
+    args = (local,) + tuple(node.args[1:])
+    if ways == 1:
+        return graph.create_node("call_function", node.target, args, {}, name=node.name)
+    size = graph.create_node("call_function", node.target, args, {}, name=f"{node.name}_local")
+    return graph.create_node("call_function", operator.mul, (size, ways), {}, name=node.name)
+
+
+def local_sizes(graph: fx.Graph, sizes: Any, output: Spec, mesh_shape: tuple[int, ...]) -> list:
+    """A view/reshape/expand size list of a node whose output has symbolic dims, made
+    local element by element: a dim split k ways becomes size // k (a graph node where the
+    size is one), -1 stays -1 (it is inferred from the local block)."""
+    out = []
+    for d, size in enumerate(sizes):
+        ways = prod(mesh_shape[a] for a in output.shard_axes(d))
+        if ways == 1 or (isinstance(size, int) and size == -1):
+            out.append(size)
+        elif isinstance(size, fx.Node):
+            out.append(graph.create_node("call_function", operator.floordiv, (size, ways), {}))
+        else:
+            out.append(size // ways)
+    return out
+
+
 def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[int, ...]) -> tuple:
     """Arguments that spell the output's global size become the local size."""
     if target in SIZE_ARG_OPS and outputs:
@@ -143,11 +184,13 @@ def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[in
 
 
 def localize_call(target: Any, args: tuple, inputs: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
-                  coords: Optional[tuple[int, ...]]) -> tuple[Any, tuple]:
+                  coords: Optional[tuple[int, ...]], sizes_done: bool = False) -> tuple[Any, tuple]:
     """The (target, args) the rank at `coords` runs for a node under a strategy with
-    these input and output specs: shape arguments made local, and ops whose sharded form
-    is another op (passes/local_ops.py) replaced."""
-    args = localize_args(target, args, outputs, mesh_shape)
+    these input and output specs: shape arguments made local (unless `sizes_done`:
+    local_sizes made them so), and ops whose sharded form is another op
+    (passes/local_ops.py) replaced."""
+    if not sizes_done:
+        args = localize_args(target, args, outputs, mesh_shape)
     if target is aten.squeeze.default and inputs:
         # squeeze() drops every unit dim, and a dim split to one element per rank is a unit
         # dim locally: drop only the dims that are unit dims of the whole tensor

@@ -29,7 +29,7 @@ from autopar import _compat
 from autopar.core.errors import describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta
+from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, size_hint
 from autopar.passes.discovery import discover
 from autopar.passes.rules import OpCall, Strategy, TensorArg, expand, replicate_rule, rule_for
 from autopar.passes.trace import TracedGraph
@@ -85,6 +85,8 @@ def op_call(node: fx.Node) -> OpCall:
     index = {id(n): i for i, n in enumerate(ins)}
 
     def mark(a: Any) -> Any:
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt):
+            return size_hint(a.meta["val"])  # a symbolic size: rules see its hint (passes/dynamic.py)
         return TensorArg(index[id(a)]) if isinstance(a, fx.Node) and id(a) in index else a
 
     args = _compat.tree_unflatten([mark(x) for x in _compat.tree_flatten(node.args)[0]],

@@ -37,6 +37,7 @@ from autopar import _compat
 from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
+from autopar.passes.dynamic import SymbolicDim, specialised_error, symbolic_dims
 from autopar.passes.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
 from autopar.passes.custom_grad import backward_differs, custom_functions_applied
 from autopar.passes.higher_order import inline_grad_regions
@@ -76,6 +77,7 @@ class TracedGraph:
     training: bool
     input_paths: tuple[str, ...] = ()  # readable path of each tensor leaf: "kwargs['input_ids']"
     buffer_updates: tuple[BufferUpdate, ...] = ()  # graph outputs that are new buffer values
+    symbolic: tuple[SymbolicDim, ...] = ()  # symbolic input dims (passes/dynamic.py); () when static
 
     def user_outputs(self, outputs: Any) -> list:
         """The model's own output leaves among the program's outputs (its out_spec's),
@@ -171,15 +173,16 @@ def _configs(model: nn.Module) -> list[Any]:
 
 
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
-          param_dtype: Optional[torch.dtype] = None) -> TracedGraph:
+          param_dtype: Optional[torch.dtype] = None, dynamic_shapes: Optional[tuple] = None) -> TracedGraph:
     """`param_dtype`: run on copies of the floating parameters and inputs in this dtype
-    (mixed precision; see _TensorLeafCall)."""
+    (mixed precision; see _TensorLeafCall). `dynamic_shapes`: torch.export's, for the
+    wrapper's tensor leaves (passes/dynamic.py export_shapes)."""
     kwargs = dict(kwargs or {})
-    return traced_program(export_program(model, args, kwargs, param_dtype), model, args, kwargs)
+    return traced_program(export_program(model, args, kwargs, param_dtype, dynamic_shapes), model, args, kwargs)
 
 
 def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
-                   param_dtype: Optional[torch.dtype] = None) -> Any:
+                   param_dtype: Optional[torch.dtype] = None, dynamic_shapes: Optional[tuple] = None) -> Any:
     """Steps 1-3: the ExportedProgram of `model` on these inputs, in-place writes to
     intermediate values functionalised (what traced_program reads)."""
     # 1. flatten
@@ -189,8 +192,10 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
     # 2. export
     try:
         with kv_cache_off(model), custom_functions_applied() as custom:
-            ep = torch.export.export(wrapper, tuple(tensors), strict=False)
+            ep = torch.export.export(wrapper, tuple(tensors), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # noqa: BLE001 - quote torch.export's reason, whatever its type
+        if dynamic_shapes is not None and "Constraints violated" in str(e):
+            raise specialised_error(name, dynamic_shapes, e) from e
         reason = str(e).strip().splitlines()
         head = "\n".join(reason[:12])
         raise TraceError(
@@ -227,6 +232,8 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     name = type(model).__name__
     # 4. signature
     inputs = _graph_inputs(ep, name)
+    users = sorted((gi.target, gi.name) for gi in inputs if gi.kind is NodeKind.USER_INPUT)
+    symbolic = symbolic_dims(ep.graph_module, [n for _, n in users], ep.range_constraints)
     updates = _buffer_updates(ep, inputs, name)
     sync_batch_norms(ep.graph_module)
     inputs = _rename_placeholders(ep.graph_module, inputs)
@@ -243,6 +250,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
         training=model.training,
         input_paths=_compat.tensor_leaf_paths((tuple(args), dict(kwargs))),
         buffer_updates=tuple(BufferUpdate(i, target, renamed[target]) for i, target in updates),
+        symbolic=symbolic,
     )
 
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from autopar.core.dynamic import Dynamic
 from autopar.core.errors import OptionsError
 
 
@@ -67,8 +68,13 @@ class Options:
     # dtype gradient reductions run in (the data-parallel buckets and the backward of
     # reshard steps); None: the gradient's own dtype
     reduce_dtype: Optional[torch.dtype] = None
+    # symbolic batch and sequence sizes (autopar/core/dynamic.py): one trace and one plan
+    # serve every size in a range. True: wide default ranges, priced at the sizes of the
+    # call that plans; Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s)): explicit
+    dynamic: "bool | Dynamic" = False
 
     def __post_init__(self) -> None:
+        Dynamic.of(self.dynamic)  # a clear OptionsError for anything else
         for field_name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field_name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -94,7 +94,19 @@ class TensorMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
-        return TensorMeta(tuple(int(s) for s in t.shape), t.dtype)
+        return TensorMeta(tuple(size_hint(s) for s in t.shape), t.dtype)
+
+
+def size_hint(size: "int | torch.SymInt") -> int:
+    """An int size, or the hint of a symbolic one (the size the trace was made at, which
+    the planner prices). Never int() of a SymInt: that guards on its value and turns the
+    symbol into that constant for every later reader of the trace's shape env."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        if node.hint is not None:
+            return int(node.hint)
+        return int(node.shape_env.size_hint(node.expr))
+    return int(size)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,223 @@
+"""Symbolic batch and sequence (Options.dynamic): one trace and one plan serve a range of
+sizes, each equal to the single-device model; sizes outside the range or that a split
+does not divide re-plan with one warning (or raise); a model that fixes a symbolic dim
+is a clear error.
+
+Tolerances are those of tests/test_equivalence.py: torch.testing.assert_close's fp32
+defaults (rtol 1.3e-6, atol 1e-5) for outputs, losses and gradients."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.core.dynamic import DimName, Dynamic, OutOfRange
+from autopar.core.errors import InputMismatchError, OptionsError, TraceError
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.passes import dynamic as D
+from autopar.passes.planning import plan_traced
+from autopar.passes.simulate_mesh import simulate
+from autopar.passes.trace import flatten_inputs, trace
+from autopar.runtime.dynamic_programs import DynamicReplanWarning
+from autopar.tools.simulated import CHEAP_COMM
+from tests import models
+from tests.harness import run_ranks
+
+# the brief's tiny models: 2 layers, hidden 64
+WIDE = {"gpt2": dict(n_embd=64), "llama": dict(hidden_size=64, intermediate_size=128, head_dim=16)}
+BATCHES = [(2, 8), (4, 8), (6, 8)]  # three batch sizes at one sequence length
+SEQS = [(4, 4), (4, 12), (4, 16)]  # three sequence lengths at one batch size
+RANGES = Dynamic(batch=(2, 16), seq=(4, 32))
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    return [out.loss, out.logits]
+
+
+# ---- offline: every rank's program in one process (passes/simulate_mesh.py) ------------
+def _traced(family: str, batch: int = 4, seq: int = 8):
+    m = models.build(family, **WIDE[family])
+    args, kwargs = models.inputs(family, batch, seq)
+    tensors, _, _ = flatten_inputs(args, kwargs)
+    marked = D.marked_dims(tensors, RANGES)
+    shapes = D.export_shapes(tensors, marked, {DimName.BATCH: RANGES.batch, DimName.SEQ: RANGES.seq})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return m, trace(m, args, kwargs, dynamic_shapes=shapes)
+
+
+@pytest.mark.parametrize("family,mesh", [("gpt2", (2, 2)), ("llama", (2, 2)), ("llama", (4,))])
+def test_one_plan_serves_many_sizes_offline(family, mesh):
+    """Plan once at (4, 8); the same rank programs at other sizes equal the model, and the
+    signature refuses exactly the sizes a split does not divide."""
+    m, traced = _traced(family)
+    assert {s.name for s in traced.symbolic} == {DimName.BATCH, DimName.SEQ}
+    assert {(s.lo, s.hi, s.hint) for s in traced.symbolic} == {(2, 16, 4), (4, 32, 8)}
+    _, plan = plan_traced(traced, Mesh.of(mesh), Options(device=CHEAP_COMM))
+    divs = D.divisors(traced.gm, plan)
+    assert divs, "the cheap-communication plan splits a symbolic dim"
+    tensors, spec, consts = flatten_inputs(*models.inputs(family, 4, 8))
+    signature = D.DynamicSignature.of((str(spec), repr(consts)), tensors, traced.symbolic, divs)
+    state = {**dict(m.named_parameters(remove_duplicate=False)), **dict(m.named_buffers())}
+    served = 0
+    for b, s in [(4, 8), (8, 4), (12, 16), (8, 12), (4, 7), (3, 8), (20, 8)]:
+        args, kwargs = models.inputs(family, b, s)
+        ts, sp, cs = flatten_inputs(args, kwargs)
+        refusal = signature.refusal((str(sp), repr(cs)), ts)
+        if b == 20:
+            assert refusal.kind is D.RefusalKind.OUT_OF_RANGE and "[2, 16]" in refusal.reason
+        if b == 3:  # every plan here splits the batch 4 ways somewhere
+            assert refusal.kind is D.RefusalKind.INDIVISIBLE and "4 ways" in refusal.reason
+        if refusal is not None:
+            continue
+        served += 1
+        with torch.no_grad():
+            want = _outputs(m(*args, **kwargs))
+            outs, _, _ = simulate(traced, plan, state, ts)
+        for r, got in enumerate(outs):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, msg=lambda msg: f"{family} {mesh} ({b}, {s}) rank {r}: {msg}")
+    assert served >= 3
+
+
+class FixedBatch(nn.Module):
+    """Reshapes its input to a batch of 4: a symbolic batch is specialised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.reshape(4, 16))
+
+
+def test_specialised_dim_is_a_clear_error():
+    x = torch.randn(4, 16)
+    marked = D.marked_dims([x], Dynamic())
+    shapes = D.export_shapes([x], marked, {DimName.BATCH: (2, 64)})
+    with pytest.raises(TraceError, match=r"specialises the symbolic dim\(s\) batch \(batch in \[2, 64\]\)"):
+        trace(FixedBatch(), (x,), dynamic_shapes=shapes)
+
+
+def test_dynamic_options_are_checked():
+    with pytest.raises(OptionsError, match="Dynamic.batch"):
+        Dynamic(batch=(8, 2))
+    with pytest.raises(OptionsError, match="Options.dynamic"):
+        Options(dynamic="yes")
+    assert Dynamic.of(True) == Dynamic() and Dynamic.of(False) is None
+
+
+def test_marked_dims_rule():
+    ids, emb = torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, 4)
+    assert D.marked_dims([ids, emb], Dynamic()) == {(0, 0): DimName.BATCH, (0, 1): DimName.SEQ,
+                                                    (1, 0): DimName.BATCH}
+    assert D.marked_dims([ids], Dynamic(seq=None)) == {(0, 0): DimName.BATCH}
+
+
+# ---- on gloo ranks ----------------------------------------------------------------------
+def dynamic_calls(rank: int, world: int, family: str, mesh: tuple, sizes: list, training: bool = False) -> dict:
+    """One ParallelModule with dynamic=RANGES called at every size; each output (and in
+    training the loss and every parameter gradient) next to the single-device one."""
+    from tests.cases import _grad_pairs
+    m = models.build(family, **WIDE[family])
+    m.train(training)
+    ref = copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, mesh=mesh, device=CHEAP_COMM, dynamic=RANGES)
+    pairs = []
+    for b, s in sizes:
+        args, kwargs = models.inputs(family, b, s)
+        if training:
+            ref.zero_grad()
+            pm.zero_grad()
+            want = ref(*args, **kwargs).loss
+            want.backward()
+            got = pm(*args, **kwargs).loss
+            got.backward()
+            grads = _grad_pairs(pm, {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False)}, rank)
+            pairs.append(((b, s), [got.detach()], [want.detach()], grads))
+        else:
+            with torch.no_grad():
+                pairs.append(((b, s), _outputs(pm(*args, **kwargs)), _outputs(ref(*args, **kwargs)), {}))
+    return {"pairs": pairs, "traces": pm.trace_count, "solves": pm.solve_count, "plans": [str(p) for p in pm.plans]}
+
+
+def replans(rank: int, world: int) -> dict:
+    """A size a split does not divide, and one outside the range: one warning each and a
+    new plan; with OutOfRange.RAISE the outside size is an InputMismatchError."""
+    m = models.build("gpt2", **WIDE["gpt2"])
+    out: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, mesh=(world,), device=CHEAP_COMM, dynamic=RANGES)
+        strict = autopar.compile(m, mesh=(world,), device=CHEAP_COMM,
+                                 dynamic=Dynamic(batch=(2, 8), seq=(4, 32), out_of_range=OutOfRange.RAISE))
+    for b, s in [(4, 8), (3, 8), (20, 8), (4, 8)]:
+        args, kwargs = models.inputs("gpt2", b, s)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            got = _outputs(pm(*args, **kwargs))
+        out[(b, s)] = ([str(w.message) for w in caught if issubclass(w.category, DynamicReplanWarning)],
+                       got, _outputs(m(*args, **kwargs)), pm.trace_count)
+    with torch.no_grad():
+        strict(*models.inputs("gpt2", 4, 8)[0], **models.inputs("gpt2", 4, 8)[1])
+        try:
+            args, kwargs = models.inputs("gpt2", 12, 8)
+            strict(*args, **kwargs)
+            out["raised"] = None
+        except InputMismatchError as e:
+            out["raised"] = str(e)
+    out["plans"] = [str(p) for p in pm.plans]
+    return out
+
+
+def _check_pairs(res: dict, rank: int) -> None:
+    for size, got, want, grads in res["pairs"]:
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, msg=lambda m: f"rank {rank} size {size}: {m}")
+        for name, (g, w, spec) in grads.items():
+            torch.testing.assert_close(g, w, msg=lambda m: f"rank {rank} size {size} grad {name} ({spec}): {m}")
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    batch = [(dynamic_calls, dict(family="gpt2", mesh=(2,), sizes=BATCHES + SEQS)),
+             (dynamic_calls, dict(family="llama", mesh=(2,), sizes=BATCHES + SEQS)),
+             (dynamic_calls, dict(family="gpt2", mesh=(2,), sizes=[(4, 8), (2, 12), (6, 4)], training=True)),
+             (replans, {})]
+    return run_ranks(2, batch)
+
+
+@pytest.mark.parametrize("index,family", [(0, "gpt2"), (1, "llama"), (2, "gpt2-training")])
+def test_one_trace_one_solve_for_three_batches_and_three_lengths(two_ranks, index, family):
+    for rank, results in enumerate(two_ranks):
+        res = results[index]
+        _check_pairs(res, rank)
+        assert res["traces"] == 1, res["plans"]
+        assert res["solves"] == (1 if rank == 0 else 0)
+        assert len(res["plans"]) == 1 and "batch" in res["plans"][0] and "seq" in res["plans"][0]
+
+
+def test_out_of_range_and_indivisible_sizes_replan_once(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        res = results[3]
+        for size in [(4, 8), (3, 8), (20, 8), (4, 8)]:
+            _, got, want, _ = res[size]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, msg=lambda m: f"rank {rank} size {size}: {m}")
+        assert res[(4, 8)][0] == [] and res[(4, 8)][3] == 3  # the first plan still serves (4, 8)
+        (indivisible,), traces = res[(3, 8)][0], res[(3, 8)][3]
+        assert "2 ways" in indivisible and traces == 2
+        (outside,), traces = res[(20, 8)][0], res[(20, 8)][3]
+        assert "batch size (dim 0 of kwargs['input_ids']) is 20, outside the planned range [2, 16]" in outside
+        assert traces == 3
+        assert "batch size 20" not in (res["raised"] or "")
+        assert res["raised"] and "batch size 12" in res["raised"] and "[2, 8]" in res["raised"]
+        assert len(res["plans"]) == 3
