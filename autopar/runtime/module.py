@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from autopar import _compat
+from autopar.core.dynamic import Dynamic
 from autopar.core.errors import InputMismatchError, MeshError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
@@ -41,6 +42,7 @@ from autopar.passes.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.collectives import step_runner
 from autopar.runtime.compiling import compiled_program
+from autopar.runtime.dynamic_programs import DynamicPrograms, PlannedSignature
 from autopar.runtime.groups import mesh_groups
 from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.runtime.planner import agreed_plan
@@ -82,6 +84,10 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self._armed: Optional[GradBuckets] = None  # the buckets the running backward fills
         self._given, self._given_source = _given_plan(plan)
         self.local_buffers = local_buffers
+        dynamic = Dynamic.of(options.dynamic)
+        self.dynamic = DynamicPrograms(dynamic, self._compile) if dynamic is not None else None
+        self.trace_count = 0  # traces this rank took part in (rank 0 traces, the others load its graph)
+        self.solve_count = 0  # ILP solves this rank ran (rank 0 solves for every rank)
 
     @property
     def plan(self) -> Plan:
@@ -144,15 +150,28 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return local_inputs(compiled.program, self.state_tensors, compiled.traced.constants, tensors,
                             self.mesh.shape, state_is_local=True, user_is_local=user_is_local)
 
+    @property
+    def plans(self) -> list[PlannedSignature]:
+        """The input signatures planned so far, in order (with Options.dynamic, each with
+        its symbolic dims, their ranges and the sizes the plan was priced at)."""
+        static = [PlannedSignature(tuple((p, s, dtype) for p, (s, dtype) in zip(c.traced.input_paths, key[2])))
+                  for key, c in self.programs.items()]
+        return static + (self.dynamic.plans if self.dynamic is not None else [])
+
     def _compiled(self, args: tuple, kwargs: dict) -> Compiled:
+        if self.dynamic is not None:
+            return self.dynamic.compiled(args, kwargs)
         tensors, spec, consts = flatten_inputs(args, kwargs)
         key = _signature(tensors, spec, consts)
         if key not in self.programs:
             self.programs[key] = self._compile(args, kwargs)
         return self.programs[key]
 
-    def _compile(self, args: tuple, kwargs: dict) -> Compiled:
-        traced, problem = shared_trace(self.source_model, args, kwargs, self.options.param_dtype, self.device)
+    def _compile(self, args: tuple, kwargs: dict, dynamic_shapes: Optional[tuple] = None) -> Compiled:
+        """Trace (with torch.export Dims where `dynamic_shapes` gives them) and plan."""
+        self.trace_count += 1
+        traced, problem = shared_trace(self.source_model, args, kwargs, self.options.param_dtype, self.device,
+                                       dynamic_shapes)
         profile = self._profile() if self._given is None and problem is None else None
         plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile), self._given, self._given_source)
         opts = self.options
@@ -183,6 +202,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
 
     def _solve(self, traced: TracedGraph, profile) -> Plan:
         """Rank 0's solve; with a profile, the ops the strategies would run are timed first."""
+        self.solve_count += 1
         if self.local_buffers is not None:
             return plan_local_buffers(traced, self.mesh, self.options, self._pinned, self.local_buffers,
                                       lambda graph: self._solve_graph(graph, profile))

@@ -74,30 +74,31 @@ class Shipment:
 
 
 def shared_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optional[torch.dtype],
-                 device: torch.device) -> Traced:
+                 device: torch.device, dynamic_shapes: Optional[tuple] = None) -> Traced:
     """This rank's TracedGraph of `model(*args, **kwargs)`, traced on rank 0 only, or the
-    error met (here or on rank 0). `device`: where this rank runs."""
+    error met (here or on rank 0). `device`: where this rank runs. `dynamic_shapes`:
+    torch.export's symbolic dims (passes/dynamic.py), the same on every rank."""
     if dist.get_world_size() == 1:
-        return attempt(lambda: trace(model, *planning_inputs(model, args, kwargs), param_dtype))
+        return attempt(lambda: trace(model, *planning_inputs(model, args, kwargs), param_dtype, dynamic_shapes))
     rank = dist.get_rank()
     box: list = [None]
     traced, problem = None, None
     if rank == 0:
-        out, problem = attempt(lambda: _traced_here(model, args, kwargs, param_dtype))
+        out, problem = attempt(lambda: _traced_here(model, args, kwargs, param_dtype, dynamic_shapes))
         traced, box[0] = out if problem is None else (None, sendable(problem))
     dist.broadcast_object_list(box, src=0)
     if rank == 0:
         return traced, problem
     if isinstance(box[0], Exception):
         return None, from_rank(box[0], 0)
-    return attempt(lambda: _rebuilt(box[0], model, args, kwargs, param_dtype, device, rank))
+    return attempt(lambda: _rebuilt(box[0], model, args, kwargs, param_dtype, device, rank, dynamic_shapes))
 
 
-def _traced_here(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optional[torch.dtype]
-                 ) -> tuple[TracedGraph, Shipment]:
+def _traced_here(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optional[torch.dtype],
+                 dynamic_shapes: Optional[tuple] = None) -> tuple[TracedGraph, Shipment]:
     """Rank 0: its TracedGraph and what it sends (step 1)."""
     args, kwargs = planning_inputs(model, args, kwargs)
-    ep = export_program(model, args, kwargs, param_dtype)
+    ep = export_program(model, args, kwargs, param_dtype, dynamic_shapes)
     data, problem = attempt(lambda: program_bytes(ep))  # before traced_program renames ep
     if problem is not None:
         warnings.warn(f"autopar: torch's serialiser cannot write the traced program of {type(model).__name__} "
@@ -107,12 +108,12 @@ def _traced_here(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optio
 
 
 def _rebuilt(shipment: Shipment, model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optional[torch.dtype],
-             device: torch.device, rank: int) -> TracedGraph:
+             device: torch.device, rank: int, dynamic_shapes: Optional[tuple] = None) -> TracedGraph:
     """Another rank: rank 0's graph on this rank's inputs (step 3)."""
     args, kwargs = planning_inputs(model, args, kwargs)
     check_inputs(shipment.inputs, Inputs.of(args, kwargs), rank)
     if shipment.program is None:
-        return trace(model, args, kwargs, param_dtype)
+        return trace(model, args, kwargs, param_dtype, dynamic_shapes)
     traced = traced_program(load_program(shipment.program, device), model, args, kwargs)
     if traced.fingerprint != shipment.fingerprint:
         raise FingerprintMismatchError(
