@@ -33,6 +33,9 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     A model on the meta device is planned without weights; its shards are then read
     per rank with pm.load_safetensors / load_full_state_dict / load_checkpoint onto
     `materialize_on` (default cpu). Keyword overrides go to Options (device=..., training=...).
+    `dynamic=True` (or autopar.Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s))) traces
+    batch and sequence dims as symbolic: one trace and one plan serve every size in the
+    range (autopar/core/dynamic.py; pm.plans lists what was planned).
     """
     opts = options_with(options, option_overrides)
     pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on)
