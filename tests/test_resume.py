@@ -97,7 +97,8 @@ def _damaged_copies(good: str, root: str) -> dict:
     """Rank 0 copies `good` and damages each copy one way; every rank gets the paths."""
     paths = {k: os.path.join(root, name) for k, name in [
         ("temp", "step-00000002.tmp-deadbeef"), ("no_marker", "step-00000003"), ("truncated", "step-00000004"),
-        ("flipped", "step-00000005"), ("other_world", "step-00000006"), ("missing", "step-00000007")]}
+        ("flipped", "step-00000005"), ("other_world", "step-00000006"), ("missing", "step-00000007"),
+        ("intact", "step-00000001")]}
     if dist.get_rank() == 0:
         for path in paths.values():
             shutil.copytree(good, path)
@@ -128,17 +129,28 @@ def refusals(rank: int, world: int, root: str) -> dict:
     _mlp_step(pm, opt)
     good = save_training_checkpoint(pm, opt, os.path.join(root, "good"), step=1)
     paths = _damaged_copies(good, os.path.join(root, "damaged"))
+    _mlp_step(pm, opt)  # the shards now differ from every copy: a load that wrote them would show
     before = _params(pm)
     errors = {}
     for kind, path in paths.items():
-        try:
-            load_training_checkpoint(pm, opt, path)
-            errors[kind] = None
-        except CheckpointError as e:
-            errors[kind] = (type(e).__name__, str(e), e.path)
+        if kind == "intact":
+            continue
+        errors[kind] = _refusal(pm, opt, path)
+    # an optimiser over other parameter groups: refused before dcp.load writes anything
+    errors["groups"] = _refusal(pm, torch.optim.AdamW(list(pm.parameters())[:1]), good)
+    # ranks given different (each intact) checkpoints
+    errors["paths"] = _refusal(pm, opt, good if rank == 0 else paths["intact"])
     untouched = all(torch.equal(v, pm.state_tensors[k]) for k, v in before.items())
     return {"errors": errors, "paths": paths, "untouched": untouched,
             "latest_damaged": latest_checkpoint(os.path.join(root, "damaged"))}
+
+
+def _refusal(pm, opt, path):
+    try:
+        load_training_checkpoint(pm, opt, path)
+        return None
+    except CheckpointError as e:
+        return (type(e).__name__, str(e), e.path)
 
 
 def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
@@ -161,10 +173,20 @@ def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
         failure = str(e)
     finally:
         writer.write_data = original
+    from autopar.runtime import resume as module
+    listing_files = module.list_files
+    if rank == 0:  # a step only rank 0 does fails: every rank raises, and the temp directory goes
+        module.list_files = lambda folder: 1 / 0
+    try:
+        save_training_checkpoint(pm, opt, root, step=5, keep=2)
+        rank0_failure = None
+    except CheckpointError as e:
+        rank0_failure = str(e)
+    finally:
+        module.list_files = listing_files
     dist.barrier()
     listing = sorted(os.listdir(root))
     # rank 0 chooses what every rank resumes: rank 1's own view of the directory is ignored
-    from autopar.runtime import resume as module
     own_view = module.latest_checkpoint
     if rank == 1:
         module.latest_checkpoint = lambda root: os.path.join(root, "step-00000002")
@@ -183,10 +205,24 @@ def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
         warnings.simplefilter("always")
         resume(other, other_opt, root)
     want, got = pm.full_state_dict(), other.full_state_dict()
-    return {"failure": failure, "listing": listing, "latest": latest_checkpoint(root), "resumed_at": resumed_at,
+    return {"failure": failure, "rank0_failure": rank0_failure, "rollback": _rollback(pm, opt, root), "listing": listing, "latest": latest_checkpoint(root), "resumed_at": resumed_at,
             "fresh_start": nothing is None, "plans_differ": other.plan.digest() != pm.plan.digest(),
             "replan_warned": any(issubclass(w.category, PlanChangedWarning) for w in caught),
             "replanned_equal": all(torch.equal(got[k], v) for k, v in want.items())}
+
+
+def _rollback(pm, opt, root: str) -> dict:
+    """Steps 3 and 4 saved, then step 2 (a rollback): 3 and 4 are set aside, not counted
+    toward keep, and the next resume continues from step 2."""
+    root = os.path.join(root, "rollback")
+    for step in (3, 4):
+        save_training_checkpoint(pm, opt, root, step=step, keep=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_training_checkpoint(pm, opt, root, step=2, keep=1)
+    dist.barrier()
+    return {"listing": sorted(os.listdir(root)), "resumed_at": resume(pm, opt, root).step,
+            "warned": any("renamed aside" in str(w.message) for w in caught)}
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +257,14 @@ def test_damaged_checkpoint_is_refused(two_ranks, kind, words):
         assert res["untouched"]
 
 
+@pytest.mark.parametrize("kind, words", [("groups", "other parameter groups"), ("paths", "different checkpoints")])
+def test_mismatched_load_is_refused_on_every_rank_before_any_write(two_ranks, kind, words):
+    for per_rank in two_ranks:
+        res = per_rank[1]
+        assert res["errors"][kind] is not None and words in res["errors"][kind][1], res["errors"][kind]
+        assert res["untouched"]
+
+
 def test_latest_skips_incomplete_directories(two_ranks):
     """latest_checkpoint judges by the marker alone: of the damaged copies it skips the
     temp directory and the one without a manifest; the newest with one is step 7."""
@@ -232,9 +276,19 @@ def test_failed_save_leaves_no_checkpoint_and_rank0_decides_the_resume(two_ranks
     for per_rank in two_ranks:
         res = per_rank[2]
         assert res["failure"] is not None and "rank 1: OSError: disk full (injected)" in res["failure"], res["failure"]
+        assert res["rank0_failure"] is not None and "failed on rank 0 (ZeroDivisionError" in res["rank0_failure"]
         assert res["listing"] == ["step-00000002", "step-00000003"], res["listing"]
         assert res["latest"].endswith("step-00000003")
         assert res["resumed_at"] == 3 and res["fresh_start"]
+
+
+def test_saving_an_earlier_step_sets_later_checkpoints_aside(two_ranks):
+    for per_rank in two_ranks:
+        res = per_rank[2]["rollback"]
+        assert res["resumed_at"] == 2 and res["warned"]
+        assert res["listing"][0] == "step-00000002" and len(res["listing"]) == 3, res["listing"]
+        assert [n[:len("step-00000003.stale-")] for n in res["listing"][1:]] == [
+            "step-00000003.stale-", "step-00000004.stale-"], res["listing"]
 
 
 def test_resume_under_another_plan_reshards_exactly_and_warns(two_ranks):
@@ -286,8 +340,22 @@ def test_killed_rank_resumes_and_ends_where_an_uninterrupted_run_does(tmp_path):
     assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step-00000003", "step-00000006"]
 
 
+def test_a_crash_while_pruning_leaves_no_complete_looking_checkpoint(tmp_path, monkeypatch):
+    from autopar.runtime import resume as module
+    for step in (1, 2):
+        (tmp_path / f"step-0000000{step}").mkdir()
+        (tmp_path / f"step-0000000{step}" / MANIFEST).write_text("{}")
+    monkeypatch.setattr(module.shutil, "rmtree", lambda *a, **k: None)  # the crash: nothing deleted yet
+    module._prune(str(tmp_path), 1, str(tmp_path / "step-00000002"))
+    assert module.complete_checkpoints(tmp_path) == [(2, str(tmp_path / "step-00000002"))]
+
+
 @pytest.mark.parametrize("kw, words", [(dict(step=-1), "step=-1"), (dict(step=3, keep=0), "keep=0"),
-                                       (dict(step=3, extra={"sampler": object()}), "JSON")])
+                                       (dict(step=3, keep=1.5), "keep=1.5"), (dict(step=True), "step=True"),
+                                       (dict(step=3, extra={"sampler": object()}), "JSON"),
+                                       (dict(step=3, extra=[1, 2]), "dict with str keys"),
+                                       (dict(step=3, extra="ab"), "dict with str keys"),
+                                       (dict(step=3, extra={1: "x"}), "dict with str keys")])
 def test_bad_save_arguments_are_refused_before_any_collective(tmp_path, kw, words):
     with pytest.raises(CheckpointError, match=words):
         save_training_checkpoint(None, None, tmp_path, **kw)  # no process group: refused before one is needed

@@ -15,10 +15,16 @@ Saving (every rank calls save_training_checkpoint at the same step):
    rank raises on all of them, and nothing below runs.
 3. Each rank checksums its share of the files; rank 0 gathers sizes and crc32s.
 4. Rank 0 writes manifest.json into the temp directory (written whole, fsynced): the
-   completion marker. Then it renames the directory to `step-N` (atomic on POSIX) and
-   fsyncs the parent, and broadcasts the outcome, so a failed rename raises everywhere.
+   completion marker. Checkpoints of later steps (a rollback, or another run in this
+   root) are renamed aside to `step-M.stale-<token>` with a warning, so the newest
+   checkpoint is the one just saved. Then it renames the directory to `step-N` (atomic
+   on POSIX) and fsyncs the parent.
 5. Only now, with the new checkpoint complete, rank 0 deletes checkpoints older than
-   the newest `keep` and temp directories of saves that never finished.
+   the newest `keep` (each renamed to a temp name first, so a crash mid-delete leaves
+   no `step-N` with missing files) and temp directories of saves that never finished.
+Every step only rank 0 does runs through _on_rank0: its outcome is broadcast, so an
+error there raises the same CheckpointError on every rank (a failed save's temp
+directory is removed).
 
 Loading: every rank reads the manifest (a directory without one is refused), checks
 world size, mesh and model against it, and verifies bytes and crc32 of its share of the
@@ -48,9 +54,8 @@ import re
 import shutil
 import uuid
 import warnings
-import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,14 +63,14 @@ import torch.distributed.checkpoint as dcp
 
 from autopar.core.errors import CheckpointError
 from autopar.core.files import write_json_atomic
+from autopar.runtime.checkpoint_files import MANIFEST, file_facts, fsync_dir, list_files, verify_files
 from autopar.runtime.state import ShardedModel
-from autopar.runtime.train_state import load_targets, restore, training_entries
+from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
 
-MANIFEST = "manifest.json"
 FORMAT = 1
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _TEMP = ".tmp-"
-_CHUNK = 1 << 20
+_STALE = ".stale-"  # a later step's checkpoint set aside by a save of an earlier step
 
 
 class PlanChangedWarning(UserWarning):
@@ -84,6 +89,7 @@ class CheckpointManifest:
     plan_digest: str  # the current plan's digest at save time ("" if none)
     files: tuple[tuple[str, int, int], ...]  # (path inside the directory, bytes, crc32)
     extra: dict = field(default_factory=dict)  # the caller's JSON values (e.g. a sampler's state)
+    param_groups: Optional[tuple] = None  # the optimiser's parameter names per group; None: saved without one
     torch_version: str = torch.__version__
     format: int = FORMAT
 
@@ -95,8 +101,10 @@ class CheckpointManifest:
         try:
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, this autopar reads {FORMAT}")
+            groups = data.get("param_groups")
             return CheckpointManifest(**{**data, "mesh": tuple(data["mesh"]),
-                               "files": tuple((str(f), int(n), int(c)) for f, n, c in data["files"])})
+                                         "files": tuple((str(f), int(n), int(c)) for f, n, c in data["files"]),
+                                         "param_groups": None if groups is None else tuple(map(tuple, groups))})
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint manifest {path} is not one autopar wrote ({e}); resume from another "
                                   "checkpoint", path) from None
@@ -136,7 +144,7 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
     _check_save_arguments(step, keep, extra)
     _require_plan(pm, "saving")
     rank, world = dist.get_rank(), dist.get_world_size()
-    final = checkpoint_dir(root, step)
+    root, final = os.fspath(root), checkpoint_dir(root, step)
     temp = f"{final}{_TEMP}{_broadcast(uuid.uuid4().hex[:8] if rank == 0 else None)}"  # 1.
     try:  # 2.
         dcp.save(training_entries(pm, optimizer, rank), checkpoint_id=temp)
@@ -146,69 +154,108 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
         raise CheckpointError(f"saving checkpoint step {step} into {temp} failed ({_reason(e)}); it was "
                               f"not completed, and {latest_checkpoint(root) or 'no earlier checkpoint'} is still "
                               "the latest", temp) from e
-    names = _broadcast(_files(temp) if rank == 0 else None)  # 3.
-    facts = _gather(_facts(temp, names[rank::world]))
-    problem = next((f for f in facts if isinstance(f, str)), None)
-    if rank == 0 and problem is None:  # 4.
-        manifest = _manifest(pm, step, world, sorted(f for part in facts for f in part), extra or {})
-        problem = _complete(temp, final, manifest)
-    problem = _broadcast(problem)
-    if problem:
-        raise CheckpointError(problem, temp)
-    if rank == 0:  # 5.
-        _prune(os.fspath(root), keep, keep_path=final)
+    try:
+        names = _on_rank0(f"listing the files of {temp}", temp, list_files, temp)  # 3.
+        facts = _gather(file_facts(temp, names[rank::world]))
+        problem = next((f for f in facts if isinstance(f, str)), None)
+        if problem:
+            raise CheckpointError(problem, temp)
+        files = sorted(f for part in facts for f in part)
+        groups = param_group_names(pm, optimizer) if optimizer is not None else None
+        stale = _on_rank0(f"completing checkpoint {final}", temp,  # 4.
+                          lambda: _complete(temp, final, _manifest(pm, step, world, files, extra or {}, groups)))
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if stale:
+        warnings.warn(f"checkpoints {stale} under {root} are of later steps than the step {step} just saved (a "
+                      "rollback, or another run in this root): they were renamed aside, not deleted, so resume "
+                      f"continues from step {step}", stacklevel=2)
+    _on_rank0(f"removing checkpoints older than the newest keep={keep} under {root}", final,  # 5.
+              _prune, root, keep, final)
     return final
 
 
 def _check_save_arguments(step: int, keep: Optional[int], extra: Optional[dict]) -> None:
     """Checked on every rank before any collective, so all refuse alike."""
-    if not isinstance(step, int) or step < 0:
+    if type(step) is not int or step < 0:
         raise CheckpointError(f"step={step!r}: pass the number of steps done (an int >= 0); it is where a resume "
                               "continues")
-    if keep is not None and keep < 1:
-        raise CheckpointError(f"keep={keep} would delete the checkpoint just written; pass keep >= 1, or None to "
-                              "keep every checkpoint")
+    if keep is not None and (type(keep) is not int or keep < 1):
+        raise CheckpointError(f"keep={keep!r} must be an int >= 1 (a smaller one would delete the checkpoint just "
+                              "written), or None to keep every checkpoint")
+    if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)):
+        raise CheckpointError(f"extra={extra!r} must be a dict with str keys (it is stored as a JSON object, "
+                              "whose keys are strings); pass e.g. extra={'epoch': 3}")
     try:
-        json.dumps(extra or {})
+        json.dumps(extra or {}, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra={extra!r} cannot be written to the JSON manifest ({e}); pass JSON values "
                               "(numbers, strings, lists, dicts)") from None
 
 
-def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict) -> CheckpointManifest:
+def _on_rank0(doing: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a step only rank 0 does and hand every rank its result; if it raises, every
+    rank raises the same CheckpointError (no peer is left waiting in a collective)."""
+    outcome: Any = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = (fn(*args), None)
+        except Exception as e:  # noqa: BLE001 - any failure must reach every rank, named
+            outcome = (None, f"{doing} failed on rank 0 ({type(e).__name__}: {e}); check the file system "
+                             "(space, permissions) and try again")
+    value, problem = _broadcast(outcome)
+    if problem:
+        raise CheckpointError(problem, path)
+    return value
+
+
+def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict,
+              groups: Optional[list]) -> CheckpointManifest:
     current = getattr(pm, "current", None)
     return CheckpointManifest(
         step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=model_digest(pm),
         layout_digest=_digest((n, str(s)) for n, s in sorted(pm.state_specs.items())),
-        plan_digest=current.plan.digest() if current is not None else "", files=tuple(files), extra=dict(extra))
+        plan_digest=current.plan.digest() if current is not None else "", files=tuple(files), extra=dict(extra),
+        param_groups=None if groups is None else tuple(tuple(g) for g in groups))
 
 
-def _complete(temp: str, final: str, manifest: CheckpointManifest) -> Optional[str]:
-    """Rank 0: marker, then rename; the error message, or None."""
-    try:
-        write_json_atomic(os.path.join(temp, MANIFEST), manifest.to_dict())
-        aside = None
-        if os.path.exists(final):  # the same step saved again (another run in this root): swap whole
-            aside = f"{final}{_TEMP}replaced-{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
-        os.rename(temp, final)
-        _fsync_dir(os.path.dirname(final))
-        if aside:
-            shutil.rmtree(aside, ignore_errors=True)
-    except OSError as e:
-        return (f"completing checkpoint {final} failed ({e}); {temp} stays incomplete and is ignored; check the "
-                "file system (space, permissions) and save again")
-    return None
+def _complete(temp: str, final: str, manifest: CheckpointManifest) -> list[str]:
+    """Rank 0: marker, then rename; checkpoints of later steps (another timeline) are
+    renamed aside first. Returns their new names."""
+    write_json_atomic(os.path.join(temp, MANIFEST), manifest.to_dict())
+    root = os.path.dirname(final)
+    stale = []
+    for later, path in complete_checkpoints(root):
+        if later > manifest.step:
+            stale.append(f"{path}{_STALE}{uuid.uuid4().hex[:8]}")
+            os.rename(path, stale[-1])
+    aside = None
+    if os.path.exists(final):  # the same step saved again (another run in this root): swap whole
+        aside = f"{final}{_TEMP}replaced-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
+    os.rename(temp, final)
+    fsync_dir(root)
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
+    return stale
 
 
 def _prune(root: str, keep: Optional[int], keep_path: str) -> None:
     """Rank 0, after a complete save: older checkpoints beyond `keep`, and temp
-    directories of saves that did not finish (none is running: all ranks are here)."""
+    directories of saves that did not finish (none is running: all ranks are here). A
+    checkpoint is first renamed to a temp name, so a crash while deleting it leaves an
+    ignored temp directory, never a `step-N` with missing files."""
     complete = [p for _, p in complete_checkpoints(root)]
     doomed = [p for p in (complete[:-keep] if keep else []) if p != keep_path]
-    doomed += [os.path.join(root, n) for n in os.listdir(root) if _TEMP in n]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        os.rename(path, f"{path}{_TEMP}deleting-{uuid.uuid4().hex[:8]}")
+    if doomed:
+        fsync_dir(root)
+    for name in os.listdir(root):
+        if _TEMP in name:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ---- load -------------------------------------------------------------------------------
@@ -216,26 +263,33 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
     """Restore model shards, optimiser state (optimizer=None skips it) and this rank's
     RNGs from a complete checkpoint; every rank calls it with the same path. Returns its
     manifest (manifest.step is where to continue). A checkpoint that is incomplete,
-    damaged or made for another world size, mesh or model raises CheckpointError on
-    every rank, before anything is changed."""
+    damaged or made for another world size, mesh, model or optimiser raises
+    CheckpointError on every rank, before anything is changed: dcp.load fills fresh
+    tensors, copied into the model only once everything was read."""
     path = os.fspath(path)
     _require_plan(pm, "loading")
     rank, world = dist.get_rank(), dist.get_world_size()
-    manifest, problem = None, None
+    manifest, problem, reader, targets = None, None, None, None
     try:
-        manifest = _checked_manifest(pm, path, world)
-        problem = _verify_files(path, manifest.files[rank::world])
+        manifest = _checked_manifest(pm, optimizer, path, world)
+        problem = verify_files(path, manifest.files[rank::world])
+        if problem is None:
+            reader = dcp.FileSystemReader(path)
+            targets = load_targets(pm, optimizer, reader.read_metadata(), rank, path)
     except CheckpointError as e:
         problem = str(e)
-    problems = [p for p in _gather(problem) if p]
+    except Exception as e:  # noqa: BLE001 - an unreadable .metadata on one rank must reach every rank
+        problem = (f"reading checkpoint {path} failed ({type(e).__name__}: {e}); it is damaged or was not written "
+                   "by save_training_checkpoint: resume from an earlier one")
+    seen = _gather((path, problem))
+    problems = [p for _, p in seen if p]
+    if len({p for p, _ in seen}) > 1:
+        problems.insert(0, f"ranks were given different checkpoints ({sorted({p for p, _ in seen})}); pass every "
+                           "rank the same path (resume(root) lets rank 0 choose for all)")
     if problems:
         raise CheckpointError(problems[0], path)
     try:
-        reader = dcp.FileSystemReader(path)
-        targets = load_targets(pm, optimizer, reader.read_metadata(), rank, path)
         dcp.load(targets, storage_reader=reader)
-    except CheckpointError:
-        raise
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException), named
         raise CheckpointError(f"reading checkpoint {path} failed ({_reason(e)}); it is damaged or was "
                               "not written by save_training_checkpoint: resume from an earlier one", path) from e
@@ -248,7 +302,7 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
 def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike") -> Optional[CheckpointManifest]:
     """Load the newest complete checkpoint under root on every rank (rank 0 chooses,
     all follow); None when there is none yet (start from step 0)."""
-    path = _broadcast(latest_checkpoint(root) if dist.get_rank() == 0 else None)
+    path = _on_rank0(f"looking for checkpoints under {os.fspath(root)}", os.fspath(root), latest_checkpoint, root)
     return None if path is None else load_training_checkpoint(pm, optimizer, path)
 
 
@@ -267,7 +321,7 @@ def model_digest(pm: ShardedModel) -> str:
     return _digest((n, tuple(s.meta.shape), str(s.meta.dtype)) for n, s in sorted(pm.state_specs.items()))
 
 
-def _checked_manifest(pm: ShardedModel, path: str, world: int) -> CheckpointManifest:
+def _checked_manifest(pm: ShardedModel, optimizer: Any, path: str, world: int) -> CheckpointManifest:
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory {path}; latest_checkpoint(root) names the newest "
                               "complete one", path)
@@ -290,25 +344,21 @@ def _checked_manifest(pm: ShardedModel, path: str, world: int) -> CheckpointMani
     if manifest.model_digest != model_digest(pm):
         raise CheckpointError(f"checkpoint {path} was saved from another model (state names, shapes or dtypes "
                               "differ); resume the model it was saved from", path)
+    if optimizer is not None:
+        _check_param_groups(manifest, param_group_names(pm, optimizer), path)
     return manifest
 
 
-def _verify_files(path: str, files: tuple) -> Optional[str]:
-    for name, size, crc in files:
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            return f"checkpoint {path} is missing its file {name}; it is damaged: resume from another checkpoint"
-        try:
-            fact = _fact(path, name)
-        except OSError as e:
-            return f"checkpoint {path}: {name} cannot be read ({e}); resume from another checkpoint"
-        if fact[1] != size:
-            return (f"checkpoint {path}: {name} has {fact[1]} bytes, the manifest says {size} (truncated or "
-                    "overwritten); it is damaged: resume from another checkpoint")
-        if fact[2] != crc:
-            return (f"checkpoint {path}: {name} fails its crc32 check (its bytes changed after the save); it is "
-                    "damaged: resume from another checkpoint")
-    return None
+def _check_param_groups(manifest: CheckpointManifest, current: list, path: str) -> None:
+    if manifest.param_groups is None:
+        raise CheckpointError(f"checkpoint {path} holds no optimiser state; resume with optimizer=None to load the "
+                              "model alone, or resume from a checkpoint saved with the optimiser", path)
+    saved = [list(g) for g in manifest.param_groups]
+    if saved != current:
+        raise CheckpointError(f"checkpoint {path} was saved by an optimiser over other parameter groups "
+                              f"({[len(g) for g in saved]} parameters per group; this one has "
+                              f"{[len(g) for g in current]}, or other parameters); build the optimiser as the "
+                              "saving run did", path)
 
 
 # ---- small parts --------------------------------------------------------------------------
@@ -317,29 +367,6 @@ def _require_plan(pm: ShardedModel, doing: str) -> None:
         raise CheckpointError(f"{doing} a training checkpoint needs the model's shard layouts, which the first "
                               "plan fixes: compile with example inputs (autopar.compile(model, args, kwargs, "
                               "mesh=...)) or call pm.prepare(args, kwargs) first")
-
-
-def _files(folder: str) -> list[str]:
-    out = []
-    for here, _, names in os.walk(folder):
-        out += [os.path.relpath(os.path.join(here, n), folder) for n in names]
-    return sorted(n for n in out if n != MANIFEST)
-
-
-def _facts(folder: str, names: list[str]) -> "list[tuple[str, int, int]] | str":
-    """(name, bytes, crc32) of each file, or what went wrong reading them."""
-    try:
-        return [_fact(folder, n) for n in names]
-    except OSError as e:
-        return f"checksumming the new checkpoint {folder} failed ({e}); it stays incomplete and is ignored"
-
-
-def _fact(folder: str, name: str) -> tuple[str, int, int]:
-    crc, size = 0, 0
-    with open(os.path.join(folder, name), "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    return name, size, crc
 
 
 def _reason(e: BaseException) -> str:
@@ -353,14 +380,6 @@ def _reason(e: BaseException) -> str:
 
 def _digest(items) -> str:
     return hashlib.sha256(repr(list(items)).encode()).hexdigest()[:16]
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _broadcast(value: Any) -> Any:

@@ -45,8 +45,11 @@ def training_entries(pm: ShardedModel, optimizer: Any, rank: int) -> dict[str, A
 
 
 def load_targets(pm: ShardedModel, optimizer: Any, metadata: Metadata, rank: int, path: str) -> dict[str, Any]:
-    """Tensors (and placeholders for objects) of the right shapes for dcp.load to fill."""
-    out: dict[str, Any] = {f"model/{name}": dt for name, dt in sharded_state_dict(pm).items()}
+    """Tensors (and placeholders for objects) of the right shapes for dcp.load to fill:
+    fresh ones, not the live shards, so a load that fails halfway changes nothing."""
+    out: dict[str, Any] = {f"model/{name}": as_dtensor(torch.empty_like(dt.to_local()), pm.state_specs[name],
+                                                       pm.device_mesh)
+                           for name, dt in sharded_state_dict(pm).items()}
     if optimizer is not None:
         if GROUPS_KEY not in metadata.state_dict_metadata:
             raise CheckpointError(f"checkpoint {path} holds no optimiser state; resume with optimizer=None to "
@@ -73,6 +76,12 @@ def restore(pm: ShardedModel, optimizer: Any, loaded: dict[str, Any], rank: int,
 # ---- optimiser ------------------------------------------------------------------------
 def _names_by_id(pm: ShardedModel) -> dict[int, str]:
     return {id(t): name for name, t, _ in unique_shards(pm)}
+
+
+def param_group_names(pm: ShardedModel, optimizer: Any) -> list[list[Any]]:
+    """The state-dict name of each parameter of each optimiser group (None: not a shard of pm)."""
+    names = _names_by_id(pm)
+    return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
 
 
 def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
