@@ -196,7 +196,8 @@ class DynamicSignature:
         if structure != self.structure or len(tensors) != len(self.tensors):
             return Refusal(RefusalKind.OTHER_SIGNATURE, "")
         for t, (shape, dtype) in zip(tensors, self.tensors):
-            if t.dtype != dtype or t.ndim != len(shape) or any(n is not None and n != m for n, m in zip(shape, t.shape)):
+            static_differs = any(n is not None and n != m for n, m in zip(shape, t.shape))
+            if t.dtype != dtype or t.ndim != len(shape) or static_differs:
                 return Refusal(RefusalKind.OTHER_SIGNATURE, "")
         by_name: dict[str, int] = {}
         for s in self.symbols:

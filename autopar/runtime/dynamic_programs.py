@@ -45,8 +45,8 @@ class PlannedSignature:
 
     def __str__(self) -> str:
         names = {s.symbol: s.name.value for s in self.symbols}
-        text = ", ".join(f"{p} [{', '.join(names.get(str(n), str(n)) for n in shape)}] {str(dtype).removeprefix('torch.')}"
-                         for p, shape, dtype in self.inputs)
+        text = ", ".join(f"{p} [{', '.join(names.get(str(n), str(n)) for n in shape)}] "
+                         f"{str(dtype).removeprefix('torch.')}" for p, shape, dtype in self.inputs)
         return text + "".join(f"; {s}" for s in self.symbols)
 
 
@@ -75,9 +75,10 @@ class DynamicPrograms:
         marked = marked_dims(tensors, self.dynamic)
         sizes = sizes_of(tensors, marked)
         outside = self._outside(sizes, paths, marked)
-        if refusals:
+        if refusals or outside:
+            why = refusals[0].reason if refusals else "their sizes are outside the Dynamic's ranges"
             warnings.warn(DynamicReplanWarning(
-                f"autopar: re-planning (trace and solve) for these inputs: {refusals[0].reason}"
+                f"autopar: {'re-' if self.entries else ''}planning (trace and solve) for these inputs: {why}"
                 + (f"; the new plan's range is {outside}" if outside else "")), stacklevel=4)
         # 3. plan
         ranges = self._ranges(sizes)
