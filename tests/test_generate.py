@@ -7,8 +7,10 @@ heads), so that the local cache update is exercised: its decode plan moves nothi
 the edges that carry a new cache value. Each run makes exactly two plans (prefill,
 decode) for prompts of two lengths and two batch sizes. Seeded sampling equals the same
 sampler on one device (Generator.single_device). A batch over the cache's, a prompt over
-the prefill length and a prompt + new tokens over the cache raise CacheLimitError naming
-the dim and the limit, and leave the cache as it was.
+the prefill length and a prompt + new tokens - 1 over the cache raise CacheLimitError
+naming the dim and the limit; a non-int length or top_k, or ranks asking for different
+lengths, raise InputMismatchError on every rank; all leave the cache as it was. The
+longest request the cache holds runs and equals transformers' tokens.
 
 One spawn of 4 ranks runs the quick set (each family once, meshes (1, 4) and (2, 2));
 the rest of the grid and the 8-rank (2, 4) case are slow-marked."""
@@ -20,7 +22,8 @@ import warnings
 import pytest
 import torch
 
-from autopar.runtime.generation import CacheLimitError, Generator
+from autopar.core.errors import InputMismatchError
+from autopar.runtime.generation import Generator
 from tests.harness import run_ranks
 
 MAX_BATCH, MAX_CACHE, PREFILL, NEW = 2, 16, 8, 5
@@ -65,7 +68,8 @@ def case_generate(rank: int, world: int, family: str, mesh: tuple, cache_layout=
         if extras:
             out["sampled"] = gen.generate(prompts()[0], NEW, do_sample=True, temperature=0.8, top_k=20,
                                           generator=torch.Generator().manual_seed(7))
-            out.update(_bad_requests(gen))
+            out.update(_bad_requests(gen, rank))
+            out["longest"] = gen.generate(longest_prompt(), MAX_CACHE - PREFILL + 1)  # fills the cache exactly
     pm = gen.step
     decode = next(c.plan for c in pm.programs.values() if c.traced.inputs[-1].meta.shape == (1,))
     return {**out, "plans": len(pm.programs), "layout": str(pm.state_specs["key_cache_0"]),
@@ -74,19 +78,27 @@ def case_generate(rank: int, world: int, family: str, mesh: tuple, cache_layout=
             "cache_moves": _cache_update_moves(decode, pm)}
 
 
-def _bad_requests(gen: Generator) -> dict:
+def _bad_requests(gen: Generator, rank: int) -> dict:
     pm = gen.step
     before = {n: t.clone() for n, t in pm.state_tensors.items() if "cache" in n}
     errors = []
-    for ids, new in [(torch.zeros(3, 4, dtype=torch.long), 2),     # batch over max_batch
-                     (torch.zeros(1, 9, dtype=torch.long), 2),     # prompt over prefill_len
-                     (torch.zeros(1, 8, dtype=torch.long), 9)]:    # prompt + new over max_cache_len
+    small = torch.zeros(1, 4, dtype=torch.long)
+    for ids, new, kw in [(torch.zeros(3, 4, dtype=torch.long), 2, {}),     # batch over max_batch
+                         (torch.zeros(1, 9, dtype=torch.long), 2, {}),     # prompt over prefill_len
+                         (torch.zeros(1, 8, dtype=torch.long), 10, {}),    # prompt + new - 1 over max_cache_len
+                         (small, 2.0, {}),                                 # not an int
+                         (small, 2, dict(do_sample=True, top_k=2.0)),      # not an int
+                         (small, 2 + rank % 2, {})]:                       # ranks ask for different lengths
         try:
-            gen.generate(ids, new)
+            gen.generate(ids, new, **kw)
             errors.append(None)
-        except CacheLimitError as e:
+        except InputMismatchError as e:
             errors.append(str(e))
     return {"errors": errors, "unchanged": all(torch.equal(before[n], pm.state_tensors[n]) for n in before)}
+
+
+def longest_prompt() -> torch.Tensor:
+    return torch.randint(0, 128, (1, PREFILL), generator=torch.Generator().manual_seed(2))
 
 
 def _cache_update_moves(plan, pm) -> int:
@@ -151,11 +163,35 @@ def test_seeded_sampling_equals_one_device_sampler(quick_results):
 
 def test_bad_requests_are_refused_before_any_cache_write(quick_results):
     for res in quick_results[QUICK.index(("mistral", (2, 2), "S(0)S(1)"))]:
-        batch, prompt, total = res["errors"]
+        batch, prompt, total, new, top_k, differ = res["errors"]
         assert batch is not None and "dim 0 (batch) = 3" in batch and "max_batch=2" in batch, batch
         assert prompt is not None and "dim 1 (prompt length) = 9" in prompt and "prefill_len=8" in prompt, prompt
-        assert total is not None and "= 17" in total and "max_cache_len=16" in total, total
+        assert total is not None and "= 17 exceeds" in total and "max_cache_len=16" in total, total
+        assert new is not None and "max_new_tokens=2.0 must be an int" in new, new
+        assert top_k is not None and "top_k=2.0 must be an int" in top_k, top_k
+        assert differ is not None and "different generations" in differ, differ
         assert res["unchanged"] and res["plans"] == 2
+
+
+def test_the_longest_request_fills_the_cache_and_equals_one_device(quick_results):
+    """prompt 8 + 9 new tokens writes positions 0..15 of a 16-long cache: allowed (one
+    more token is refused above) and equal to transformers' greedy tokens."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = tiny_lm("mistral").generate(longest_prompt(), max_new_tokens=MAX_CACHE - PREFILL + 1, do_sample=False)
+    for res in quick_results[QUICK.index(("mistral", (2, 2), "S(0)S(1)"))]:
+        assert torch.equal(res["longest"], want), (res["longest"], want)
+
+
+def test_release_cache_frees_the_full_cache():
+    import gc
+    import weakref
+    from autopar.runtime.kv_cache import CachedLM
+    cached = CachedLM(tiny_lm("llama"), MAX_BATCH, MAX_CACHE)
+    full = weakref.ref(cached.cache.layers[0].keys)
+    cached.release_cache()
+    gc.collect()
+    assert full() is None, "the full cache tensor is still referenced after release_cache"
 
 
 @pytest.mark.slow

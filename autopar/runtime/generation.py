@@ -22,6 +22,8 @@
    compared (one all-gather) and a difference is raised, never returned.
 4. A request the cache cannot hold is refused before any step runs (CacheLimitError,
    naming the dim and the limit), so no cache is left half-written by a bad request.
+   The ranks agree on the request first (one all-gather): one that any rank refuses,
+   or that differs between ranks, raises on every rank, never a hang.
 Generation runs for max_new_tokens tokens; it does not stop at an end-of-sequence token.
 """
 
@@ -74,9 +76,18 @@ class Generator:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: Optional[int] = None,
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """The prompt followed by `max_new_tokens` new tokens, (batch, prompt + new)."""
-        self.check(input_ids, max_new_tokens)
-        check_sampling(do_sample, temperature, top_k)
+        """The prompt followed by `max_new_tokens` new tokens, (batch, prompt + new).
+        Every rank passes the same request; one that any rank refuses, or that differs
+        between ranks, raises the same InputMismatchError on every rank before the
+        cache is written."""
+        problem = None
+        try:
+            self.check(input_ids, max_new_tokens)
+            check_sampling(do_sample, temperature, top_k)
+        except InputMismatchError as e:
+            problem = e
+        request = None if problem else (tuple(input_ids.shape), max_new_tokens, do_sample, temperature, top_k)
+        _agree(problem, request)
         batch, prompt = input_ids.shape
         logits = self.step(*self._prefill_inputs(input_ids))[:batch, prompt - 1]
         new = [next_tokens(logits, do_sample, temperature, top_k, generator)]
@@ -92,10 +103,14 @@ class Generator:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise CacheLimitError(f"input_ids must be a 2-d int64 tensor (batch, prompt length); got "
                                   f"{_describe(input_ids)}")
+        if type(max_new_tokens) is not int:
+            raise InputMismatchError(f"max_new_tokens={max_new_tokens!r} must be an int (a number of tokens)")
         batch, prompt = input_ids.shape
+        # the last new token is returned, never written: the cache holds prompt + new - 1 positions
         limits = [("input_ids dim 0 (batch)", batch, self.shape.batch, "max_batch"),
                   ("input_ids dim 1 (prompt length)", prompt, self.prefill_len, "prefill_len"),
-                  ("prompt length + max_new_tokens", prompt + max_new_tokens, self.shape.length, "max_cache_len")]
+                  ("prompt length + max_new_tokens - 1 (the positions written to the cache)",
+                   prompt + max_new_tokens - 1, self.shape.length, "max_cache_len")]
         for what, value, limit, knob in limits:
             if value > limit:
                 raise CacheLimitError(f"{what} = {value} exceeds the cache's limit {knob}={limit}; compile for "
@@ -136,8 +151,27 @@ def check_sampling(do_sample: bool, temperature: float, top_k: Optional[int]) ->
     if do_sample and not temperature > 0:
         raise InputMismatchError(f"temperature={temperature} must be > 0 when sampling; use do_sample=False "
                                  "for greedy decoding")
-    if top_k is not None and top_k < 1:
-        raise InputMismatchError(f"top_k={top_k} must be >= 1 (or None for the whole vocabulary)")
+    if top_k is not None and (type(top_k) is not int or top_k < 1):
+        raise InputMismatchError(f"top_k={top_k!r} must be an int >= 1 (or None for the whole vocabulary)")
+
+
+def _agree(problem: Optional[InputMismatchError], request: Optional[tuple]) -> None:
+    """One all-gather before any step: a request refused on any rank, or not the same on
+    every rank (which would send the ranks into different collectives), raises on all."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if problem is not None:
+            raise problem
+        return
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (problem, request))
+    refused = [p for p, _ in seen if p is not None]
+    if refused:
+        raise refused[0]  # the lowest refusing rank's error, the same on every rank
+    requests = [q for _, q in seen]
+    if any(q != requests[0] for q in requests):
+        raise InputMismatchError(f"ranks asked for different generations ((input_ids shape, max_new_tokens, "
+                                 f"do_sample, temperature, top_k) per rank: {requests}); pass every rank the same "
+                                 "request")
 
 
 def _check_ranks_agree(tokens: torch.Tensor) -> None:

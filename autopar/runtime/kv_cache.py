@@ -94,6 +94,9 @@ class CachedLM(nn.Module):
         saves. The module cannot run or be traced again afterwards."""
         for name in self.cache_names():
             setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+        for layer in self.cache.layers:  # the layers held the same full tensors
+            layer.keys = layer.values = None
+        self.cache = None
         self.released = True
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
