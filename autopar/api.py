@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import nn
 
+from autopar.core.dynamic import Dynamic
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
+from autopar.core.plan import Plan
+from autopar.passes.trace import TracedGraph
 from autopar.passes.buffer_layouts import LocalBuffers
-from autopar.passes.planning import options_with, plan  # noqa: F401 - plan is re-exported
+from autopar.passes import planning
+from autopar.passes.planning import options_with, plan_traced, planning_inputs
+from autopar.passes.trace import trace
+from autopar.runtime.dynamic_programs import DynamicPrograms
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
@@ -44,6 +51,33 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
             args = (args,)
         pm.prepare(tuple(args or ()), kwargs or {})
     return pm
+
+
+def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),
+         options: Optional[Options] = None, **option_overrides: Any) -> Plan:
+    """Plan `model` for `mesh` offline (no process group): the Plan autopar.compile
+    would run. Keyword overrides go to Options (e.g. device="h100", training=True). With
+    `dynamic=`, the trace and plan compile would make for these inputs' range (the same
+    graph fingerprint, so compile(..., plan=that plan, dynamic=the same) runs it)."""
+    opts = options_with(options, option_overrides)
+    dynamic = Dynamic.of(opts.dynamic)
+    if dynamic is None:
+        return planning.plan(model, args, kwargs, mesh=mesh, options=opts)
+    mesh_ = Mesh.of(mesh)
+
+    def traced_plan(a: tuple, kw: dict, shapes: tuple) -> _Planned:
+        traced = trace(model, *planning_inputs(model, a, kw), opts.param_dtype, shapes)
+        return _Planned(traced, plan_traced(traced, mesh_, opts)[1])
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    return DynamicPrograms(dynamic, traced_plan).compiled(args, dict(kwargs or {})).plan
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What DynamicPrograms needs of a compiled signature, offline."""
+
+    traced: TracedGraph
+    plan: Plan
 
 
 def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_cache_len: int = 256,

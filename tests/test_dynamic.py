@@ -192,6 +192,21 @@ def replans(rank: int, world: int) -> dict:
     return out
 
 
+def from_plan_file(rank: int, world: int, path: str) -> dict:
+    """A dynamic plan made offline (autopar.plan(..., dynamic=...)) and saved, run through
+    compile(plan=path): no solve on any rank, one trace, every size equal."""
+    m = models.build("gpt2", **WIDE["gpt2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, mesh=(world,), device=CHEAP_COMM, dynamic=RANGES, plan=path)
+    pairs = []
+    for b, s in [(4, 8), (6, 12), (2, 4)]:
+        args, kwargs = models.inputs("gpt2", b, s)
+        with torch.no_grad():
+            pairs.append(((b, s), _outputs(pm(*args, **kwargs)), _outputs(m(*args, **kwargs)), {}))
+    return {"pairs": pairs, "traces": pm.trace_count, "solves": pm.solve_count, "plans": [str(p) for p in pm.plans]}
+
+
 def _check_pairs(res: dict, rank: int) -> None:
     for size, got, want, grads in res["pairs"]:
         for g, w in zip(got, want):
@@ -201,15 +216,21 @@ def _check_pairs(res: dict, rank: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    batch = [(dynamic_calls, dict(family="gpt2", mesh=(2,), sizes=BATCHES + SEQS)),
+def two_ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dynamic") / "plan.json")
+    args, kwargs = models.inputs("gpt2", 4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.plan(models.build("gpt2", **WIDE["gpt2"]), args, kwargs, mesh=(2,), device=CHEAP_COMM,
+                     dynamic=RANGES).to_json(path)
+    batch = [(from_plan_file, dict(path=path)),(dynamic_calls, dict(family="gpt2", mesh=(2,), sizes=BATCHES + SEQS)),
              (dynamic_calls, dict(family="llama", mesh=(2,), sizes=BATCHES + SEQS)),
              (dynamic_calls, dict(family="gpt2", mesh=(2,), sizes=[(4, 8), (2, 12), (6, 4)], training=True)),
              (replans, {})]
     return run_ranks(2, batch)
 
 
-@pytest.mark.parametrize("index,family", [(0, "gpt2"), (1, "llama"), (2, "gpt2-training")])
+@pytest.mark.parametrize("index,family", [(1, "gpt2"), (2, "llama"), (3, "gpt2-training")])
 def test_one_trace_one_solve_for_three_batches_and_three_lengths(two_ranks, index, family):
     for rank, results in enumerate(two_ranks):
         res = results[index]
@@ -219,9 +240,16 @@ def test_one_trace_one_solve_for_three_batches_and_three_lengths(two_ranks, inde
         assert len(res["plans"]) == 1 and "batch" in res["plans"][0] and "seq" in res["plans"][0]
 
 
+def test_offline_dynamic_plan_file_runs_every_size(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        res = results[0]
+        _check_pairs(res, rank)
+        assert (res["traces"], res["solves"], len(res["plans"])) == (1, 0, 1)
+
+
 def test_out_of_range_and_indivisible_sizes_replan_once(two_ranks):
     for rank, results in enumerate(two_ranks):
-        res = results[3]
+        res = results[4]
         for size in [(4, 8), (3, 8), (20, 8), (4, 8)]:
             _, got, want, _ = res[size]
             for g, w in zip(got, want):
