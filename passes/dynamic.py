@@ -63,14 +63,19 @@ class Divisor:
 
 
 def marked_dims(tensors: list[torch.Tensor], dynamic: Dynamic) -> dict[Use, DimName]:
-    """Step 1's rule: which (leaf, dim) is the batch and which the sequence."""
-    out: dict[Use, DimName] = {}
+    """Step 1's rule: which (leaf, dim) is the batch and which the sequence. An input whose
+    dim differs from the first input's (position ids of batch 1 broadcast over the batch)
+    keeps it static: every marked dim shares one symbol."""
+    candidates: dict[Use, DimName] = {}
     for i, t in enumerate(tensors):
         if t.ndim >= 1 and dynamic.batch is not None:
-            out[(i, 0)] = DimName.BATCH
+            candidates[(i, 0)] = DimName.BATCH
         if t.ndim == 2 and dynamic.seq is not None and not t.is_floating_point() and not t.is_complex():
-            out[(i, 1)] = DimName.SEQ
-    return out
+            candidates[(i, 1)] = DimName.SEQ
+    first: dict[DimName, int] = {}
+    for (leaf, d), name in candidates.items():
+        first.setdefault(name, int(tensors[leaf].shape[d]))
+    return {(leaf, d): name for (leaf, d), name in candidates.items() if tensors[leaf].shape[d] == first[name]}
 
 
 def sizes_of(tensors: list[torch.Tensor], marked: dict[Use, DimName]) -> dict[DimName, int]:

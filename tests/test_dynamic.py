@@ -130,6 +130,9 @@ def test_marked_dims_rule():
     assert D.marked_dims([ids, emb], Dynamic()) == {(0, 0): DimName.BATCH, (0, 1): DimName.SEQ,
                                                     (1, 0): DimName.BATCH}
     assert D.marked_dims([ids], Dynamic(seq=None)) == {(0, 0): DimName.BATCH}
+    positions = torch.zeros(1, 8, dtype=torch.long)  # broadcast over the batch: its dim 0 stays static
+    assert D.marked_dims([ids, positions], Dynamic()) == {(0, 0): DimName.BATCH, (0, 1): DimName.SEQ,
+                                                          (1, 1): DimName.SEQ}
 
 
 # ---- on gloo ranks ----------------------------------------------------------------------

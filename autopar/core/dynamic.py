@@ -6,7 +6,8 @@
                             plan_at=(8, 16)))  call that plans)
 
 Which dims: dim 0 of every tensor input is the batch; dim 1 of every integer or bool
-tensor input with two dims (token ids, attention masks, labels) is the sequence. Every
+tensor input with two dims (token ids, attention masks, labels) is the sequence; a dim
+whose size differs from the first input's (position ids of batch 1) stays static. Every
 input shares one batch symbol and one sequence symbol (torch.export `Dim`s), so a
 call whose inputs disagree on them is another signature.
 """
