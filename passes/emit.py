@@ -4,9 +4,10 @@
 
 The program takes its inputs in the traced graph's placeholder order: parameters,
 buffers, constants, then the user's tensor leaves, each as this rank's block. It
-returns the new value of every buffer it writes (TracedGraph.buffer_updates) whole,
-then the user's outputs; buffer_blocks cuts this rank's block of each new value, which
-whoever runs the program stores in place of the old one."""
+returns the new value of every buffer it writes (TracedGraph.buffer_updates) as the
+output node asks it (whole, or the rank's block where the plan keeps an update local),
+then the user's outputs; buffer_blocks gives this rank's block of each new value, which
+whoever runs the program (runtime or simulator) stores in place of the old one."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.rewrite import rewrite
 from autopar.passes.schedule import DEFAULT_CAP_BYTES, schedule
+from autopar.passes.strategies import OUTPUT
 from autopar.passes.trace import GraphInput, TracedGraph
 
 
@@ -73,16 +75,23 @@ def local_inputs(program: RankProgram, state: Mapping[str, torch.Tensor], consta
     return out
 
 
-def buffer_blocks(program: RankProgram, traced: TracedGraph, outputs: Sequence[Any],
+def buffer_blocks(program: RankProgram, traced: TracedGraph, plan: Plan, outputs: Sequence[Any],
                   mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """This rank's block of each buffer the program wrote, by state-dict name, under the
-    layout the buffer is fed in (its placeholder's spec). The output node asks for every
-    value replicated, so the plan has already gathered (and priced) any split new value,
-    and the block is a local slice: no communication, whatever the buffer's layout."""
+    layout the buffer is fed in (its placeholder's spec); no communication either way.
+    Where the output node asks the new value in that same layout (a split KV cache kept
+    local, passes/buffer_layouts.py) the value returned is the block itself; otherwise
+    the plan has gathered (and priced) the new value as the output node asks, and the
+    block is cut from it. The runtime and the simulator both store these blocks."""
+    asked = plan.node(OUTPUT).inputs
     specs = {gi.name: spec for gi, spec in zip(program.inputs, program.specs)}
     new = traced.updated_buffers(outputs)
-    return {u.target: local_chunk(new[u.target].detach(), specs[u.placeholder], mesh_shape, program.coords)
-            for u in traced.buffer_updates}
+    blocks = {}
+    for u in traced.buffer_updates:
+        value, spec = new[u.target].detach(), specs[u.placeholder]
+        kept = asked[u.index].placements == spec.placements
+        blocks[u.target] = value if kept else local_chunk(value, spec, mesh_shape, program.coords)
+    return blocks
 
 
 def shard(full: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:

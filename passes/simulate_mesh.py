@@ -143,5 +143,5 @@ def simulate(traced, plan, state: dict[str, torch.Tensor], user_tensors: list[to
         inputs.append(local)
         leaves.append(mine)
     outs = run_lockstep(programs, mesh, inputs)
-    buffers = [buffer_blocks(prog, traced, o, mesh.shape) for prog, o in zip(emitted, outs)]
+    buffers = [buffer_blocks(prog, traced, plan, o, mesh.shape) for prog, o in zip(emitted, outs)]
     return [traced.user_outputs(o) for o in outs], leaves, buffers

@@ -214,7 +214,7 @@ def test_greedy_equals_one_device_on_2x4():
 def traced_decode():
     from autopar.passes.planning import trace_for_planning
     from autopar.runtime.kv_cache import CachedLM
-    cached = CachedLM(tiny_lm("llama"), MAX_BATCH, MAX_CACHE)
+    cached = CachedLM(tiny_lm("llama"), MAX_BATCH, MAX_CACHE).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = trace_for_planning(cached, (torch.zeros(MAX_BATCH, 1, dtype=torch.long), torch.tensor([0])))
@@ -261,3 +261,24 @@ def test_a_cache_layout_that_does_not_split_evenly_is_refused(traced_decode):
         with pytest.raises(MeshError, match="cache_layout"):
             _cache_layout(text, cached, Mesh(mesh))
     assert _cache_layout("RS(1)", cached, Mesh((1, 4))) is not None
+
+
+def test_the_simulator_stores_a_local_cache_update_as_the_runtime_does(traced_decode):
+    """passes/emit.buffer_blocks, shared by the runtime and the simulator: a cache update
+    the plan keeps split (RS(1)) is the rank's block already, not cut again."""
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.core.placement import R, Shard
+    from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
+    from autopar.passes.planning import plan_annotated
+    from autopar.runtime.kv_cache import CachedLM
+    from autopar.tools.simulated import simulate_against
+    cached, traced = traced_decode
+    opts = Options(training=False)
+    local = LocalBuffers(tuple(cached.cache_names()), (0, 1), layout=(R, Shard(1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_local_buffers(traced, Mesh((1, 4)), opts, None, local, lambda g: plan_annotated(g, opts))
+        assert str(plan.node("output").inputs[traced.buffer_updates[0].index]) == "RS(1)"
+        fresh = CachedLM(tiny_lm("llama"), MAX_BATCH, MAX_CACHE).eval()  # the traced one's layers hold export's fakes
+        simulate_against(fresh, (torch.tensor([[5], [7]]), torch.tensor([2])), {}, traced, plan)

@@ -34,7 +34,7 @@ from autopar.core.options import Options
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
 from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
-from autopar.passes.emit import RankProgram, emit, local_inputs, shard
+from autopar.passes.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
 from autopar.passes.planning import plan_annotated
 from autopar.passes.program import bind
 from autopar.passes.strategies import AnnotatedGraph, annotate
@@ -47,7 +47,7 @@ from autopar.runtime.groups import mesh_groups
 from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.runtime.planner import agreed_plan
 from autopar.runtime.shipping import shared_trace
-from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers, updated_blocks
+from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers
 from autopar.runtime.state import ShardedStateMethods
 
 
@@ -120,8 +120,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             self._armed = compiled.buckets
         feed = self._feed(compiled, tensors, user_is_local=local_inputs)
         outputs = compiled.run(*feed)
-        store_buffers(self.state_tensors, updated_blocks(compiled.program, compiled.traced, compiled.plan, outputs,
-                                                         self.mesh.shape))
+        store_buffers(self.state_tensors, buffer_blocks(compiled.program, compiled.traced, compiled.plan, outputs,
+                                                        self.mesh.shape))
         return _compat.tree_unflatten(compiled.traced.user_outputs(outputs), compiled.traced.out_spec)
 
     @property

@@ -12,7 +12,7 @@ when the first plan fixes their layouts.
    on the meta device, where a load fills it later.
 3. Later plans (new input signatures) keep these layouts: they are pinned.
 4. After each call a buffer the program writes (BatchNorm's running statistics, a KV
-   cache) takes its new block in place (updated_blocks, store_buffers).
+   cache) takes its new block in place (passes/emit.buffer_blocks, store_buffers).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from autopar.core.placement import Placement, Spec, local_chunk
+from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
-from autopar.passes.emit import RankProgram, shard
-from autopar.passes.strategies import OUTPUT
+from autopar.passes.emit import shard
 from autopar.passes.trace import TracedGraph
 
 
@@ -91,23 +90,6 @@ def fill_shards(model: nn.Module, shards: dict[str, torch.Tensor], traced: Trace
                 shards[owner.target].data = shard(full.detach(), spec, plan.mesh.shape, coords)
         specs.update({target: spec for target in group})
     return specs
-
-
-def updated_blocks(program: RankProgram, traced: TracedGraph, plan: Plan, outputs: Any,
-                   mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """This rank's block of each buffer the program wrote, by state-dict name: the value
-    as returned where the plan asked it in the buffer's own layout (a split KV cache, see
-    passes/buffer_layouts.py: no communication), else cut from the whole value the plan
-    gathered (as passes/emit.buffer_blocks does)."""
-    asked = plan.node(OUTPUT).inputs
-    specs = {gi.name: spec for gi, spec in zip(program.inputs, program.specs)}
-    new = traced.updated_buffers(outputs)
-    blocks = {}
-    for u in traced.buffer_updates:
-        value, spec = new[u.target].detach(), specs[u.placeholder]
-        kept = asked[u.index].placements == spec.placements
-        blocks[u.target] = value if kept else local_chunk(value, spec, mesh_shape, program.coords)
-    return blocks
 
 
 def store_buffers(shards: dict[str, torch.Tensor], blocks: dict[str, torch.Tensor]) -> None:
