@@ -36,7 +36,8 @@ _EXPORTS = {
     "verify": "autopar.tools.verify", "VerifyReport": "autopar.tools.verify",
     "compile": "autopar.api", "plan": "autopar.api",
     "compile_for_generation": "autopar.api", "Generator": "autopar.runtime.generation",
-    "CacheLimitError": "autopar.runtime.generation",
+    "CacheLimitError": "autopar.core.errors", "CacheReleasedError": "autopar.core.errors",
+    "PlanChangedWarning": "autopar.runtime.resume",
     "save_training_checkpoint": "autopar.api", "load_training_checkpoint": "autopar.api", "resume": "autopar.api",
     "latest_checkpoint": "autopar.api", "CheckpointManifest": "autopar.api", "CheckpointError": "autopar.core.errors",
 }

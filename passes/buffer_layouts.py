@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Callable, Collection, Iterable, Optional
 
+from autopar.core.errors import MeshError, SolverError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
@@ -46,6 +47,13 @@ class LocalBuffers:
     names: tuple[str, ...]  # state-dict names
     split_dims: tuple[int, ...]
     layout: Optional[tuple[Placement, ...]] = None  # the user's choice instead of the solver's
+
+    def __post_init__(self) -> None:
+        odd = [str(p) for p in self.layout or () if p != R and not (isinstance(p, Shard) and p.dim in self.split_dims)]
+        if odd:
+            raise MeshError(f"layout {''.join(map(str, self.layout or ()))!r} for {self.names[0]} and the other "
+                            f"{len(self.names) - 1} buffers uses {', '.join(odd)}; they may be split only along "
+                            f"dims {self.split_dims} (a KV cache: S(0) batch, S(1) KV heads) or replicated (R)")
 
 
 def local_buffer_updates(graph: AnnotatedGraph, names: Collection[str]) -> AnnotatedGraph:
@@ -96,5 +104,7 @@ def plan_local_buffers(traced: TracedGraph, mesh: Mesh, options: Options, pinned
         plan = solve_graph(graph)
         if best is None or plan.total_s < best.total_s:
             best = plan
-    assert best is not None
+    if best is None:
+        raise SolverError(f"no layout of the buffers {local.names[:2]}... splitting dims {local.split_dims} was tried "
+                          f"on mesh {mesh.shape}; pass LocalBuffers a layout, or leave them out of local_buffers")
     return best

@@ -22,8 +22,11 @@ import warnings
 import pytest
 import torch
 
-from autopar.core.errors import InputMismatchError
+from autopar.core.errors import (CacheLimitError, CacheReleasedError, InputMismatchError, MeshError,
+                                 UnsupportedModelError)
+from autopar.core.placement import Partial, R, Shard
 from autopar.runtime.generation import Generator
+from autopar.runtime.kv_cache import CacheShape
 from tests.harness import run_ranks
 
 MAX_BATCH, MAX_CACHE, PREFILL, NEW = 2, 16, 8, 5
@@ -192,6 +195,44 @@ def test_release_cache_frees_the_full_cache():
     cached.release_cache()
     gc.collect()
     assert full() is None, "the full cache tensor is still referenced after release_cache"
+    with pytest.raises(CacheReleasedError, match="release_cache"):
+        cached(torch.zeros(MAX_BATCH, 1, dtype=torch.long), torch.tensor([0]))
+
+
+def test_requests_outside_what_generation_does_are_refused_before_a_step():
+    """On one process, with a step that records its calls: the typed error, and no call."""
+    calls = []
+    gen = Generator(lambda *a: calls.append(a), CacheShape(1, MAX_BATCH, 4, MAX_CACHE, 8), PREFILL)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for kw, error, words in [(dict(input_ids=ids.int()), InputMismatchError, "2-d int64"),
+                             (dict(input_ids=ids, attention_mask=torch.tensor([[0, 1, 1, 1]])), InputMismatchError,
+                              "attention_mask with zeros"),
+                             (dict(input_ids=ids, max_new_tokens=0), InputMismatchError, "max_new_tokens >= 1")]:
+        with pytest.raises(error, match=words) as caught:
+            gen.generate(**{"max_new_tokens": 2, **kw})
+        assert not isinstance(caught.value, CacheLimitError), caught.value
+    assert calls == []
+    for bad in (0, 2.0):
+        with pytest.raises(CacheLimitError, match=f"prefill_len={bad}"):
+            Generator(gen.step, gen.shape, bad)
+
+
+def test_generation_errors_live_with_the_others():
+    import autopar
+    from autopar.runtime import generation
+    assert generation.CacheLimitError is CacheLimitError is autopar.CacheLimitError
+    assert autopar.PlanChangedWarning.__name__ == "PlanChangedWarning"
+    from autopar.runtime.kv_cache import CachedLM
+    with pytest.raises(UnsupportedModelError, match="not a transformers causal LM"):
+        CachedLM(torch.nn.Linear(4, 4), MAX_BATCH, MAX_CACHE)
+
+
+@pytest.mark.parametrize("layout", [(R, Shard(2)), (Shard(3), R), (R, Partial())])
+def test_a_cache_layout_may_split_only_batch_or_heads(layout):
+    from autopar.passes.buffer_layouts import LocalBuffers
+    with pytest.raises(MeshError, match="split only along dims"):
+        LocalBuffers(("key_cache_0", "value_cache_0"), (0, 1), layout)
+    assert LocalBuffers(("key_cache_0",), (0, 1), (Shard(0), Shard(1))).layout == (Shard(0), Shard(1))
 
 
 @pytest.mark.slow
@@ -224,7 +265,6 @@ def traced_decode():
 def test_solver_picks_the_cheapest_cache_layout_and_keeps_a_split_update_local(traced_decode):
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.core.placement import R, Shard
     from autopar.passes.buffer_layouts import LocalBuffers, candidate_layouts, plan_local_buffers
     from autopar.passes.planning import plan_annotated
     cached, traced = traced_decode
@@ -268,7 +308,6 @@ def test_the_simulator_stores_a_local_cache_update_as_the_runtime_does(traced_de
     the plan keeps split (RS(1)) is the rank's block already, not cut again."""
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.core.placement import R, Shard
     from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
     from autopar.passes.planning import plan_annotated
     from autopar.runtime.kv_cache import CachedLM

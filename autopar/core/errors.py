@@ -74,6 +74,15 @@ class InputMismatchError(AutoparError, ValueError):
     """Run-time inputs do not match the ones the program was planned for."""
 
 
+class CacheLimitError(InputMismatchError):
+    """A generation request the static KV cache was not built for (too many rows, too
+    long a prompt or too many positions); names the dim and the limit."""
+
+
+class CacheReleasedError(AutoparError, RuntimeError):
+    """A CachedLM whose full cache was handed to a ParallelModule (release_cache) was run."""
+
+
 class ProcessGroupError(AutoparError, RuntimeError):
     """torch.distributed is not initialised or does not fit the mesh."""
 

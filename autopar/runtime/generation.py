@@ -25,6 +25,8 @@
    The ranks agree on the request first (one all-gather): one that any rank refuses,
    or that differs between ranks, raises on every rank, never a hang.
 Generation runs for max_new_tokens tokens; it does not stop at an end-of-sequence token.
+Every row of a call is one prompt of the call's length: no attention_mask, no left
+padding (a mask with zeros is refused).
 """
 
 from __future__ import annotations
@@ -34,15 +36,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from autopar.core.errors import InputMismatchError, ProcessGroupError
+from autopar.core.errors import CacheLimitError, InputMismatchError, ProcessGroupError
 from autopar.runtime.kv_cache import CacheShape, CachedLM
+
+__all__ = ["CacheLimitError", "Generator", "check_sampling", "next_tokens"]  # CacheLimitError: its old home
 
 # one step of the model: (input_ids (max_batch, S), cache_position (S,)) -> logits (max_batch, S, vocab)
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class CacheLimitError(InputMismatchError):
-    """A generation request the static cache was not built for (the dim and its limit are named)."""
 
 
 class Generator:
@@ -50,8 +50,9 @@ class Generator:
     device) over a static cache of `shape`, prompts padded to `prefill_len`."""
 
     def __init__(self, step: Step, shape: CacheShape, prefill_len: int) -> None:
-        if not 1 <= prefill_len <= shape.length:
-            raise CacheLimitError(f"prefill_len={prefill_len} must be between 1 and max_cache_len={shape.length}")
+        if type(prefill_len) is not int or not 1 <= prefill_len <= shape.length:
+            raise CacheLimitError(f"prefill_len={prefill_len!r} must be an int between 1 and "
+                                  f"max_cache_len={shape.length}")
         self.step, self.shape, self.prefill_len = step, shape, prefill_len
 
     @classmethod
@@ -59,7 +60,7 @@ class Generator:
                       prefill_len: Optional[int] = None) -> "Generator":
         """The same generation on one device, without autopar: the reference."""
         cached = CachedLM(model, max_batch, max_cache_len)
-        return cls(cached, cached.shape, prefill_len or max_cache_len)
+        return cls(cached, cached.shape, max_cache_len if prefill_len is None else prefill_len)
 
     @property
     def cache_layout(self) -> str:
@@ -75,14 +76,16 @@ class Generator:
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                 generator: Optional[torch.Generator] = None,
+                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The prompt followed by `max_new_tokens` new tokens, (batch, prompt + new).
         Every rank passes the same request; one that any rank refuses, or that differs
         between ranks, raises the same InputMismatchError on every rank before the
-        cache is written."""
+        cache is written. Rows are whole prompts of equal length: an attention_mask is
+        accepted only when it is all ones (left-padded batches are refused)."""
         problem = None
         try:
-            self.check(input_ids, max_new_tokens)
+            self.check(input_ids, max_new_tokens, attention_mask)
             check_sampling(do_sample, temperature, top_k)
         except InputMismatchError as e:
             problem = e
@@ -98,11 +101,13 @@ class Generator:
         _check_ranks_agree(tokens)
         return tokens
 
-    def check(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        """Step 4: refuse what the cache cannot hold, naming the dim and the limit."""
+    def check(self, input_ids: torch.Tensor, max_new_tokens: int,
+              attention_mask: Optional[torch.Tensor] = None) -> None:
+        """Step 4: refuse what the cache cannot hold, naming the dim and the limit, and
+        what generation does not do (padded prompts), on this rank alone."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            raise CacheLimitError(f"input_ids must be a 2-d int64 tensor (batch, prompt length); got "
-                                  f"{_describe(input_ids)}")
+            raise InputMismatchError(f"input_ids must be a 2-d int64 tensor (batch, prompt length); got "
+                                     f"{_describe(input_ids)}")
         if type(max_new_tokens) is not int:
             raise InputMismatchError(f"max_new_tokens={max_new_tokens!r} must be an int (a number of tokens)")
         batch, prompt = input_ids.shape
@@ -111,13 +116,17 @@ class Generator:
                   ("input_ids dim 1 (prompt length)", prompt, self.prefill_len, "prefill_len"),
                   ("prompt length + max_new_tokens - 1 (the positions written to the cache)",
                    prompt + max_new_tokens - 1, self.shape.length, "max_cache_len")]
+        if batch < 1 or prompt < 1 or max_new_tokens < 1:
+            raise InputMismatchError(f"need batch >= 1, prompt length >= 1 and max_new_tokens >= 1; got "
+                                     f"batch={batch}, prompt length={prompt}, max_new_tokens={max_new_tokens}")
         for what, value, limit, knob in limits:
             if value > limit:
                 raise CacheLimitError(f"{what} = {value} exceeds the cache's limit {knob}={limit}; compile for "
                                       f"generation with {knob} >= {value}, or shorten the request")
-        if batch < 1 or prompt < 1 or max_new_tokens < 1:
-            raise CacheLimitError(f"need batch >= 1, prompt length >= 1 and max_new_tokens >= 1; got batch={batch}, "
-                                  f"prompt length={prompt}, max_new_tokens={max_new_tokens}")
+        if attention_mask is not None and not bool((attention_mask == 1).all()):
+            raise InputMismatchError("an attention_mask with zeros (padded prompts) is not supported: every row is "
+                                     "taken as a whole prompt of input_ids' length; generate rows of different "
+                                     "lengths in separate calls, unpadded")
 
     # ---- parts ----------------------------------------------------------------------
     def _prefill_inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

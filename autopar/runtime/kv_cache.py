@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autopar.core.errors import UnsupportedModelError
+from autopar.core.errors import CacheReleasedError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,11 @@ class CachedLM(nn.Module):
         from transformers.cache_utils import StaticCache, StaticLayer
         from transformers.integrations.executorch import get_head_shapes
 
+        if not callable(getattr(getattr(model, "config", None), "get_text_config", None)):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is not a transformers causal LM: generation needs a model with a "
+                "transformers config (model.config.get_text_config()) whose forward takes input_ids and cache= "
+                "(a PreTrainedModel such as LlamaForCausalLM); wrap or load the model through transformers")
         config = model.config.get_text_config()
         positions = getattr(config, "max_position_embeddings", None)
         if isinstance(positions, int) and max_cache_len > positions:
@@ -101,8 +106,8 @@ class CachedLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         if getattr(self, "released", False):
-            raise RuntimeError("this CachedLM released its cache to a ParallelModule (release_cache); run the "
-                               "ParallelModule, or build a new CachedLM")
+            raise CacheReleasedError("this CachedLM released its cache to a ParallelModule (release_cache); run "
+                                     "the ParallelModule (Generator.step), or build a new CachedLM")
         with torch.no_grad():
             for i, layer in enumerate(self.cache.layers):
                 # 1. the layers write into this module's buffers, from cache_position[0] on
