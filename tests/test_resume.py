@@ -128,6 +128,7 @@ def refusals(rank: int, world: int, root: str) -> dict:
     pm, opt = _compiled(seed=0, family="mlp")
     _mlp_step(pm, opt)
     good = save_training_checkpoint(pm, opt, os.path.join(root, "good"), step=1)
+    good_params = _params(pm)
     paths = _damaged_copies(good, os.path.join(root, "damaged"))
     _mlp_step(pm, opt)  # the shards now differ from every copy: a load that wrote them would show
     before = _params(pm)
@@ -141,13 +142,20 @@ def refusals(rank: int, world: int, root: str) -> dict:
     # ranks given different (each intact) checkpoints
     errors["paths"] = _refusal(pm, opt, good if rank == 0 else paths["intact"])
     untouched = all(torch.equal(v, pm.state_tensors[k]) for k, v in before.items())
-    return {"errors": errors, "paths": paths, "untouched": untouched,
-            "latest_damaged": latest_checkpoint(os.path.join(root, "damaged"))}
+    # fallback: the newest four complete-looking copies are refused, newest first; the intact step 1 loads
+    damaged = os.path.join(root, "damaged")
+    errors["no_fallback"] = _refusal(pm, opt, None, lambda: resume(pm, opt, damaged))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fell_back_to = resume(pm, opt, damaged, fallback=True).step
+    return {"errors": errors, "paths": paths, "untouched": untouched, "latest_damaged": latest_checkpoint(damaged),
+            "fell_back_to": fell_back_to, "fallback_warnings": sum("fallback=True" in str(w.message) for w in caught),
+            "restored": all(torch.equal(v, pm.state_tensors[k]) for k, v in good_params.items())}
 
 
-def _refusal(pm, opt, path):
+def _refusal(pm, opt, path, load=None):
     try:
-        load_training_checkpoint(pm, opt, path)
+        load() if load else load_training_checkpoint(pm, opt, path)
         return None
     except CheckpointError as e:
         return (type(e).__name__, str(e), e.path)
@@ -263,6 +271,13 @@ def test_mismatched_load_is_refused_on_every_rank_before_any_write(two_ranks, ki
         res = per_rank[1]
         assert res["errors"][kind] is not None and words in res["errors"][kind][1], res["errors"][kind]
         assert res["untouched"]
+
+
+def test_resume_with_fallback_loads_the_newest_checkpoint_that_is_whole(two_ranks):
+    for per_rank in two_ranks:
+        res = per_rank[1]
+        assert res["errors"]["no_fallback"] is not None and "missing its file" in res["errors"]["no_fallback"][1]
+        assert res["fell_back_to"] == 1 and res["fallback_warnings"] == 4 and res["restored"]
 
 
 def test_latest_skips_incomplete_directories(two_ranks):

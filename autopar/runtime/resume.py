@@ -299,11 +299,30 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
     return manifest
 
 
-def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike") -> Optional[CheckpointManifest]:
+def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike", *,
+           fallback: bool = False) -> Optional[CheckpointManifest]:
     """Load the newest complete checkpoint under root on every rank (rank 0 chooses,
-    all follow); None when there is none yet (start from step 0)."""
-    path = _on_rank0(f"looking for checkpoints under {os.fspath(root)}", os.fspath(root), latest_checkpoint, root)
-    return None if path is None else load_training_checkpoint(pm, optimizer, path)
+    all follow); None when there is none yet (start from step 0). fallback=True: when a
+    checkpoint is refused (damaged, or made for another run), warn and try the next
+    older one; a refused load changes nothing, so the one that loads is restored whole.
+    CheckpointError if every one is refused."""
+    root = os.fspath(root)
+    if not fallback:
+        path = _on_rank0(f"looking for checkpoints under {root}", root, latest_checkpoint, root)
+        return None if path is None else load_training_checkpoint(pm, optimizer, path)
+    paths = _on_rank0(f"looking for checkpoints under {root}", root,
+                      lambda: [p for _, p in reversed(complete_checkpoints(root))])
+    refused = []
+    for path in paths:
+        try:
+            return load_training_checkpoint(pm, optimizer, path)
+        except CheckpointError as e:  # raised alike on every rank, so all try the same next one
+            refused.append(str(e))
+            warnings.warn(f"resume(fallback=True): {e}; trying an older checkpoint", stacklevel=2)
+    if refused:
+        raise CheckpointError(f"none of the {len(refused)} complete checkpoints under {root} could be loaded; the "
+                              f"newest was refused because: {refused[0]}", root)
+    return None
 
 
 def _warn_if_replanned(pm: ShardedModel, manifest: CheckpointManifest, path: str) -> None:

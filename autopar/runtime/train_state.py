@@ -64,12 +64,13 @@ def load_targets(pm: ShardedModel, optimizer: Any, metadata: Metadata, rank: int
 
 def restore(pm: ShardedModel, optimizer: Any, loaded: dict[str, Any], rank: int, path: str) -> None:
     """Copy what dcp.load filled into the shards, the optimiser and this rank's RNGs (last:
-    nothing after it may draw)."""
+    nothing after it may draw); the optimiser's groups are checked before anything is copied."""
+    state = _optimizer_state_dict(pm, optimizer, loaded, path) if optimizer is not None else None  # may refuse
     with torch.no_grad():
         for name in pm.state_specs:
             pm.state_tensors[name].copy_(loaded[f"model/{name}"].to_local())
     if optimizer is not None:
-        optimizer.load_state_dict(_optimizer_state_dict(pm, optimizer, loaded, path))
+        optimizer.load_state_dict(state)
     _set_rng_states(loaded[rng_key(rank)])
 
 
