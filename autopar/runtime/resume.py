@@ -50,89 +50,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import uuid
 import warnings
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from autopar.core.errors import CheckpointError
 from autopar.core.files import write_json_atomic
-from autopar.runtime.checkpoint_files import MANIFEST, file_facts, fsync_dir, list_files, verify_files
+from autopar.runtime.checkpoint_files import (MANIFEST, CheckpointManifest, checkpoint_dir, complete_checkpoints,
+                                              file_facts, fsync_dir, latest_checkpoint, list_files, verify_files)
 from autopar.runtime.state import ShardedModel
 from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
 
-FORMAT = 1
-_COMPLETE = re.compile(r"^step-(\d+)$")
 _TEMP = ".tmp-"
 _STALE = ".stale-"  # a later step's checkpoint set aside by a save of an earlier step
 
 
 class PlanChangedWarning(UserWarning):
     """A checkpoint is resumed under another plan than the one it was saved under."""
-
-
-@dataclass(frozen=True)
-class CheckpointManifest:
-    """The completion marker of a checkpoint and what a load checks against."""
-
-    step: int  # steps done when it was saved: the data position to resume at
-    world_size: int
-    mesh: tuple[int, ...]
-    model_digest: str  # state-dict names, global shapes, dtypes
-    layout_digest: str  # their placements (informational: DCP reshards on load)
-    plan_digest: str  # the current plan's digest at save time ("" if none)
-    files: tuple[tuple[str, int, int], ...]  # (path inside the directory, bytes, crc32)
-    extra: dict = field(default_factory=dict)  # the caller's JSON values (e.g. a sampler's state)
-    param_groups: Optional[tuple] = None  # the optimiser's parameter names per group; None: saved without one
-    torch_version: str = torch.__version__
-    format: int = FORMAT
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(data: Any, path: str) -> "CheckpointManifest":
-        try:
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, this autopar reads {FORMAT}")
-            groups = data.get("param_groups")
-            return CheckpointManifest(**{**data, "mesh": tuple(data["mesh"]),
-                                         "files": tuple((str(f), int(n), int(c)) for f, n, c in data["files"]),
-                                         "param_groups": None if groups is None else tuple(map(tuple, groups))})
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint manifest {path} is not one autopar wrote ({e}); resume from another "
-                                  "checkpoint", path) from None
-
-
-# ---- discovery --------------------------------------------------------------------------
-def checkpoint_dir(root: "str | os.PathLike", step: int) -> str:
-    return os.path.join(os.fspath(root), f"step-{step:08d}")
-
-
-def complete_checkpoints(root: "str | os.PathLike") -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under root, oldest first: named
-    `step-N` (renamed, so finished) and holding a manifest. Temp directories are skipped."""
-    root = os.fspath(root)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _COMPLETE.match(name)
-        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
-
-def latest_checkpoint(root: "str | os.PathLike") -> Optional[str]:
-    """The newest complete checkpoint under root, or None (a fresh start)."""
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 # ---- save -------------------------------------------------------------------------------
