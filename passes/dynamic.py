@@ -65,7 +65,8 @@ class Divisor:
 def marked_dims(tensors: list[torch.Tensor], dynamic: Dynamic) -> dict[Use, DimName]:
     """Step 1's rule: which (leaf, dim) is the batch and which the sequence. An input whose
     dim differs from the first input's (position ids of batch 1 broadcast over the batch)
-    keeps it static: every marked dim shares one symbol."""
+    keeps it static: every marked dim shares one symbol. A size of 1 stays static too
+    (torch.export specialises a dim traced at 1): such a call gets a plan of its own."""
     candidates: dict[Use, DimName] = {}
     for i, t in enumerate(tensors):
         if t.ndim >= 1 and dynamic.batch is not None:
@@ -75,7 +76,8 @@ def marked_dims(tensors: list[torch.Tensor], dynamic: Dynamic) -> dict[Use, DimN
     first: dict[DimName, int] = {}
     for (leaf, d), name in candidates.items():
         first.setdefault(name, int(tensors[leaf].shape[d]))
-    return {(leaf, d): name for (leaf, d), name in candidates.items() if tensors[leaf].shape[d] == first[name]}
+    return {(leaf, d): name for (leaf, d), name in candidates.items()
+            if tensors[leaf].shape[d] == first[name] and first[name] > 1}
 
 
 def sizes_of(tensors: list[torch.Tensor], marked: dict[Use, DimName]) -> dict[DimName, int]:

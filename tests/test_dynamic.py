@@ -130,6 +130,7 @@ def test_marked_dims_rule():
     assert D.marked_dims([ids, emb], Dynamic()) == {(0, 0): DimName.BATCH, (0, 1): DimName.SEQ,
                                                     (1, 0): DimName.BATCH}
     assert D.marked_dims([ids], Dynamic(seq=None)) == {(0, 0): DimName.BATCH}
+    assert D.marked_dims([torch.zeros(1, 8, dtype=torch.long)], Dynamic()) == {(0, 1): DimName.SEQ}
     positions = torch.zeros(1, 8, dtype=torch.long)  # broadcast over the batch: its dim 0 stays static
     assert D.marked_dims([ids, positions], Dynamic()) == {(0, 0): DimName.BATCH, (0, 1): DimName.SEQ,
                                                           (1, 1): DimName.SEQ}
@@ -174,7 +175,7 @@ def replans(rank: int, world: int) -> dict:
         pm = autopar.compile(m, mesh=(world,), device=CHEAP_COMM, dynamic=RANGES)
         strict = autopar.compile(m, mesh=(world,), device=CHEAP_COMM, dynamic=Dynamic(
             batch=(2, 8), seq=(4, 32), plan_at=(8, 16), out_of_range=OutOfRange.RAISE))
-    for b, s in [(4, 8), (3, 8), (20, 8), (4, 8)]:
+    for b, s in [(4, 8), (3, 8), (20, 8), (1, 8), (4, 8)]:
         args, kwargs = models.inputs("gpt2", b, s)
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
@@ -253,19 +254,20 @@ def test_offline_dynamic_plan_file_runs_every_size(two_ranks):
 def test_out_of_range_and_indivisible_sizes_replan_once(two_ranks):
     for rank, results in enumerate(two_ranks):
         res = results[4]
-        for size in [(4, 8), (3, 8), (20, 8), (4, 8)]:
+        for size in [(4, 8), (3, 8), (20, 8), (1, 8), (4, 8)]:
             _, got, want, _ = res[size]
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, msg=lambda m: f"rank {rank} size {size}: {m}")
-        assert res[(4, 8)][0] == [] and res[(4, 8)][3] == 3  # the first plan still serves (4, 8)
+        assert res[(4, 8)][0] == [] and res[(4, 8)][3] == 4  # the first plan still serves (4, 8)
         (indivisible,), traces = res[(3, 8)][0], res[(3, 8)][3]
         assert "2 ways" in indivisible and traces == 2
         (outside,), traces = res[(20, 8)][0], res[(20, 8)][3]
         assert "batch size (dim 0 of kwargs['input_ids']) is 20, outside the planned range [2, 16]" in outside
         assert traces == 3
-        assert "batch size 20" not in (res["raised"] or "")
+        (one,), traces = res[(1, 8)][0], res[(1, 8)][3]  # a batch of 1: a plan with the batch static
+        assert "is 1, outside the planned range [2, 16]" in one and traces == 4 and "input_ids'] [1, seq]" in res["plans"][3]
         assert res["raised"] and "batch size 12" in res["raised"] and "[2, 8]" in res["raised"]
-        assert len(res["plans"]) == 3
+        assert len(res["plans"]) == 4
 
         got, want, traces = res["plan_at"]  # priced at (8, 16), called at (4, 8)
         for g, w in zip(got, want):

@@ -12,8 +12,8 @@
    one warning (DynamicReplanWarning) says why, and the call re-plans.
 3. Planning: ranges are the Dynamic's (widened to hold the call's sizes when it re-plans
    for one outside them); the inputs are resized to the representative sizes
-   (Dynamic.plan_at, else the call's own, at least 2: torch.export fixes a dim whose
-   example size is 1), and `compile_fn` traces with those Dims and plans.
+   (Dynamic.plan_at, else the call's own; a size of 1 stays static, as torch.export
+   would fix it), and `compile_fn` traces with those Dims and plans.
 """
 
 from __future__ import annotations
@@ -91,8 +91,11 @@ class DynamicPrograms:
                                          for i, (p, t) in enumerate(zip(paths, tensors))), symbols)
         self.entries.append((signature, compiled, planned))
         refusal = signature.refusal(structure, tensors, paths)
-        if refusal is not None:  # the plan priced at other sizes splits a dim the call's sizes cannot
+        if refusal is not None and self.dynamic.plan_at is not None:  # priced at other sizes, split otherwise
             compiled = self._at_call_sizes(args, kwargs, refusal.reason)
+        elif refusal is not None:
+            raise RuntimeError(f"autopar bug: a plan priced at this call's own sizes does not serve it: "
+                               f"{refusal.reason}")
         return compiled
 
     def _at_call_sizes(self, args: tuple, kwargs: dict, reason: str) -> Any:
@@ -143,7 +146,7 @@ class DynamicPrograms:
         """The inputs resized to the sizes the plan is priced at."""
         target = {}
         for name, size in sizes.items():
-            chosen = self.dynamic.representative(name) or max(size, 2)
+            chosen = self.dynamic.representative(name) or size
             lo, hi = ranges[name]
             if not lo <= chosen <= hi or chosen < 2:
                 raise OptionsError(f"Dynamic.plan_at gives {name.value} size {chosen}, outside its range [{lo}, {hi}] "
