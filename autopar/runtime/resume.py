@@ -110,8 +110,8 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
         warnings.warn(f"checkpoints {stale} under {root} are of later steps than the step {step} just saved (a "
                       "rollback, or another run in this root): they were renamed aside, not deleted, so resume "
                       f"continues from step {step}", stacklevel=2)
-    _on_rank0(f"removing checkpoints older than the newest keep={keep} under {root}", final,  # 5.
-              _prune, root, keep, final)
+    _on_rank0(f"checkpoint {final} is complete, but removing checkpoints older than the newest keep={keep} "  # 5.
+              f"under {root}", final, _prune, root, keep, final)
     return final
 
 
