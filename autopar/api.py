@@ -99,7 +99,7 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     cached = CachedLM(model.eval(), max_batch, max_cache_len)
     layout = _cache_layout(cache_layout, cached, mesh_)
     pm = ParallelModule(cached, mesh_, opts, local_buffers=LocalBuffers(tuple(cached.cache_names()), (0, 1), layout))
-    gen = Generator(pm, cached.shape, prefill_len or max_cache_len)
+    gen = Generator(pm, cached.shape, max_cache_len if prefill_len is None else prefill_len)
     gen.prepare()
     cached.release_cache()  # every rank holds its block now; both plans are made
     return gen
