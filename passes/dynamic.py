@@ -216,7 +216,7 @@ class DynamicSignature:
                 leaf, d = s.uses[0]
                 where = paths[leaf] if leaf < len(paths) else f"input #{leaf}"
                 return Refusal(RefusalKind.OUT_OF_RANGE, f"the {s.name.value} size (dim {d} of {where}) is {size}, "
-                               f"outside the planned range [{s.lo}, {s.hi}]", s.name, size)
+                               f"outside the planned range [{s.lo}, {s.hi}]")
         for div in self.divisors:
             n = int(div.expr.xreplace({sym: by_name[str(sym)] for sym in div.expr.free_symbols}))
             if n % div.ways or n < div.ways:
@@ -234,7 +234,7 @@ class RefusalKind(Enum):
 
 @dataclass(frozen=True)
 class Refusal:
+    """Why a program does not serve a call: the kind decides warn, re-plan or raise."""
+
     kind: RefusalKind
-    reason: str
-    dim: Optional[DimName] = None
-    size: int = 0
+    reason: str  # names the dim and the size, and the range or the split

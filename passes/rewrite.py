@@ -8,7 +8,11 @@
 2. Before each planned node, every tensor input goes through the Plan's steps for that
    edge (one StepModule per step, named ap_<kind>_<n>, shared by consumers that need the
    same result; a communicating step is a start and a wait, ap_<kind>_<n>_wait).
-3. The node is copied with shape arguments made local (view/reshape/expand sizes).
+3. The node is copied with shape arguments made local (view/reshape/expand sizes). In a
+   graph with symbolic sizes (passes/dynamic.py) a sym_size read of a dim split k ways
+   is multiplied by k (sizes stay global, as the replicated factories need them) and a
+   symbolic view/reshape/expand size of a dim split k ways is divided by k:
+       sym_size_int_12 = mul(sym_size(input_0, 0), 2);  view(x, [floordiv(sym_size_int_12, 2), ...])
 4. Outputs are made replicated, so every rank returns full tensors.
 Per-node facts written: node.meta["autopar.spec"] (output placements, e.g. "S(0)R"),
 node.meta["autopar.step"] (the Step of a start or wait node).
