@@ -208,6 +208,11 @@ def from_plan_file(rank: int, world: int, path: str) -> dict:
         args, kwargs = models.inputs("gpt2", b, s)
         with torch.no_grad():
             pairs.append(((b, s), _outputs(pm(*args, **kwargs)), _outputs(m(*args, **kwargs)), {}))
+    args, kwargs = models.inputs("gpt2", 8, 12)  # each rank passes its block, at a size not called yet
+    local_args, local_kwargs = pm.shard_inputs(*args, **kwargs)
+    with torch.no_grad():
+        pairs.append(("local", _outputs(pm(*local_args, local_inputs=True, **local_kwargs)),
+                      _outputs(m(*args, **kwargs)), {}))
     return {"pairs": pairs, "traces": pm.trace_count, "solves": pm.solve_count, "plans": [str(p) for p in pm.plans]}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from math import prod
 from typing import Any, Callable, Optional
 
 import torch
@@ -111,6 +112,21 @@ class DynamicPrograms:
                 return self.compiled(args, kwargs)
         finally:
             self.dynamic = before
+
+    def for_local(self, tensors: list[torch.Tensor], structure: tuple, mesh_shape: tuple[int, ...],
+                  user_specs: Callable[[Any], list]) -> Optional[Any]:
+        """The program that takes these blocks of the inputs (pm(..., local_inputs=True)):
+        each block's global shape is its local shape times the ranks splitting each dim
+        (its input's spec in that program), which must be a call the program serves."""
+        for signature, compiled, _ in self.entries:
+            specs = user_specs(compiled)
+            if len(specs) != len(tensors):
+                continue
+            whole = [torch.empty([n * prod(mesh_shape[a] for a in spec.shard_axes(d)) for d, n in enumerate(t.shape)],
+                                 dtype=t.dtype, device="meta") for t, spec in zip(tensors, specs)]
+            if signature.refusal(structure, whole) is None:
+                return compiled
+        return None
 
     @property
     def plans(self) -> list[PlannedSignature]:

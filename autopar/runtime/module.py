@@ -215,6 +215,10 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return plan_annotated(graph, self.options, profile)
 
     def _compiled_for_local(self, tensors: list[torch.Tensor], spec: Any, consts: tuple) -> Compiled:
+        if self.dynamic is not None:
+            found = self.dynamic.for_local(tensors, (str(spec), repr(consts)), self.mesh.shape, _user_specs)
+            if found is not None:
+                return found
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
         for key, compiled in self.programs.items():
             if key[:2] == (str(spec), repr(consts)) and shapes == tuple(
