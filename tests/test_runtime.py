@@ -76,6 +76,23 @@ def compile_release_compile(rank: int, world: int, rounds: int = 4) -> dict:
     return {"freed": freed, "group_sets": len(groups._CACHE)}
 
 
+def train_then_eval(rank: int, world: int) -> dict:
+    """pm.eval() after training calls: the model runs without dropout, as model.eval() does."""
+    m = models.build("gpt2", resid_pdrop=0.5).train()
+    _, kwargs = models.inputs("gpt2")
+    pm = autopar.compile(m, mesh=(world,))
+    was_training = pm.training
+    pm(**kwargs).loss.backward()
+    pm.eval()
+    with torch.no_grad():
+        got = pm(**kwargs).logits
+        want = m(**kwargs).logits  # m itself is in eval mode now
+    pm.train()
+    pm(**kwargs)
+    return {"was_training": was_training, "got": got, "want": want,
+            "traces": pm.trace_count, "plans": len(pm.plans), "model_training_again": m.training}
+
+
 # ---- tests ---------------------------------------------------------------------------
 
 def test_an_error_while_rank0_plans_is_raised_as_itself_on_every_rank():
@@ -240,3 +257,13 @@ def test_compile_without_a_cxx_compiler_runs_eagerly_with_one_warning(monkeypatc
     with pytest.warns(compiling.CompileFallbackWarning, match="no C.. compiler"):
         run = compiling.compiled_program(gm, torch.device("cpu"))
     assert run is gm
+
+
+def test_eval_after_training_runs_the_models_eval_graph():
+    # a module compiled in training mode and switched with pm.eval() must trace the eval
+    # graph (no dropout), not keep running the training program; each mode keeps its own
+    results = run_ranks(2, [(train_then_eval, {})])
+    for (res,) in results:
+        assert res["was_training"] and res["model_training_again"]
+        torch.testing.assert_close(res["got"], res["want"])
+        assert res["traces"] == 2 and res["plans"] == 2, res

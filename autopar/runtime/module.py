@@ -84,10 +84,29 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self._armed: Optional[GradBuckets] = None  # the buckets the running backward fills
         self._given, self._given_source = _given_plan(plan)
         self.local_buffers = local_buffers
-        dynamic = Dynamic.of(options.dynamic)
-        self.dynamic = DynamicPrograms(dynamic, self._compile) if dynamic is not None else None
+        self._dynamic = Dynamic.of(options.dynamic)
+        self._dynamic_programs: dict[bool, DynamicPrograms] = {}  # the source model's mode -> its programs
+        super().train(model.training)  # pm.training says what the model is traced in
         self.trace_count = 0  # traces this rank took part in (rank 0 traces, the others load its graph)
         self.solve_count = 0  # ILP solves this rank ran (rank 0 solves for every rank)
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Training or evaluation mode, for this module and the model it runs: a mode
+        traces its own graph (dropout, BatchNorm's statistics), so each keeps its own
+        programs (parameter layouts pinned by the first, as for any new signature)."""
+        super().train(mode)
+        self.source_model.train(mode)
+        return self
+
+    @property
+    def dynamic(self) -> Optional[DynamicPrograms]:
+        """Options.dynamic's programs for the model's current mode (None without it)."""
+        if self._dynamic is None:
+            return None
+        mode = self.source_model.training
+        if mode not in self._dynamic_programs:
+            self._dynamic_programs[mode] = DynamicPrograms(self._dynamic, self._compile)
+        return self._dynamic_programs[mode]
 
     @property
     def plan(self) -> Plan:
@@ -156,13 +175,13 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         its symbolic dims, their ranges and the sizes the plan was priced at)."""
         static = [PlannedSignature(tuple((p, s, dtype) for p, (s, dtype) in zip(c.traced.input_paths, key[2])))
                   for key, c in self.programs.items()]
-        return static + (self.dynamic.plans if self.dynamic is not None else [])
+        return static + [p for programs in self._dynamic_programs.values() for p in programs.plans]
 
     def _compiled(self, args: tuple, kwargs: dict) -> Compiled:
         if self.dynamic is not None:
             return self.dynamic.compiled(args, kwargs)
         tensors, spec, consts = flatten_inputs(args, kwargs)
-        key = _signature(tensors, spec, consts)
+        key = _signature(tensors, spec, consts) + (self.source_model.training,)
         if key not in self.programs:
             self.programs[key] = self._compile(args, kwargs)
         return self.programs[key]
@@ -221,7 +240,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
                 return found
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
         for key, compiled in self.programs.items():
-            if key[:2] == (str(spec), repr(consts)) and shapes == tuple(
+            if key[:2] == (str(spec), repr(consts)) and key[3] == self.source_model.training and shapes == tuple(
                     (s.local_shape(self.mesh.shape), s.meta.dtype) for s in _user_specs(compiled)):
                 return compiled
         raise InputMismatchError(
