@@ -239,6 +239,7 @@ def two_ranks(tmp_path_factory):
     return run_ranks(2, batch)
 
 
+@pytest.mark.slow  # one 2-rank spawn for the three (24 s); the offline tests above stay quick
 @pytest.mark.parametrize("index,family", [(1, "gpt2"), (2, "llama"), (3, "gpt2-training")])
 def test_one_trace_one_solve_for_three_batches_and_three_lengths(two_ranks, index, family):
     for rank, results in enumerate(two_ranks):
@@ -249,6 +250,7 @@ def test_one_trace_one_solve_for_three_batches_and_three_lengths(two_ranks, inde
         assert len(res["plans"]) == 1 and "batch" in res["plans"][0] and "seq" in res["plans"][0]
 
 
+@pytest.mark.slow  # one 2-rank spawn for the three (24 s); the offline tests above stay quick
 def test_offline_dynamic_plan_file_runs_every_size(two_ranks):
     for rank, results in enumerate(two_ranks):
         res = results[0]
@@ -256,6 +258,7 @@ def test_offline_dynamic_plan_file_runs_every_size(two_ranks):
         assert (res["traces"], res["solves"], len(res["plans"])) == (1, 0, 1)
 
 
+@pytest.mark.slow  # one 2-rank spawn for the three (24 s); the offline tests above stay quick
 def test_out_of_range_and_indivisible_sizes_replan_once(two_ranks):
     for rank, results in enumerate(two_ranks):
         res = results[4]
