@@ -23,6 +23,7 @@ rank traces, every rank plans the same graph).
 from __future__ import annotations
 
 import hashlib
+import logging
 import pickle
 import warnings
 from contextlib import contextmanager
@@ -280,7 +281,13 @@ def load_program(data: bytes, device: Optional[torch.device] = None) -> Any:
 
     program, stand_ins, constants = pickle.loads(data)  # noqa: S301 - rank 0 of our own process group
     placed = {k: t if kind in ("cpu", "meta") else t.to(device or kind) for k, (kind, t) in constants.items()}
-    return serde.ExportedProgramDeserializer().deserialize(program, stand_ins, placed)
+    # torch warns on every rank of a range whose symbol the graph dropped: nothing to act on
+    log, level = logging.getLogger(serde.__name__), logging.getLogger(serde.__name__).level
+    log.setLevel(logging.ERROR)
+    try:
+        return serde.ExportedProgramDeserializer().deserialize(program, stand_ins, placed)
+    finally:
+        log.setLevel(level)
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
