@@ -40,7 +40,7 @@ import torch
 
 from autopar import _compat
 from autopar.core.placement import P, Placement, R, Shard, Spec, TensorMeta
-from autopar.passes.rules import AxisRule, OpCall, Strategy, TensorArg, expand
+from autopar.passes.rules import AxisRule, OpCall, Strategy, TensorArg
 
 DISCOVERY_MAX_ELEMENTS = 1 << 20  # per call, summed over inputs and outputs
 MAX_INPUT_PATTERNS = 64  # input layouts tried per op, over all candidates
@@ -51,8 +51,9 @@ SEEDS = (0, 1)
 def discover(call: OpCall) -> Optional[list[AxisRule]]:
     """Every verified per-axis rule of `call` (replication first), or None when the op
     cannot be tried (no tensor inputs, too large, random, or failing on random data)."""
-    if not call.inputs or not call.outputs or _writes_inputs(call.target):
-        return None
+    from autopar.passes.rewrite import SIZE_ARG_OPS  # rewrite imports strategies, which imports this
+    if not call.inputs or not call.outputs or _writes_inputs(call.target) or call.target in SIZE_ARG_OPS:
+        return None  # SIZE_ARG_OPS (hand rules in views.py) run shard by shard as their output layout says
     if sum(prod(m.shape) for m in call.inputs + call.outputs) > DISCOVERY_MAX_ELEMENTS:
         return None
     key = (call.target, _freeze(call.args), _freeze(call.kwargs), call.inputs, call.outputs)
@@ -165,27 +166,6 @@ class _Trial:
         self.expected = _outputs(call.target(*args, **kwargs))
 
 
-def _holds(call: OpCall, trial: _Trial, rule: AxisRule) -> bool:
-    from autopar.passes.simulate import run_sharded
-    tested = False
-    for n in SHARD_COUNTS:
-        strategies = expand([rule], call, (n,))
-        if not strategies:
-            if n == SHARD_COUNTS[0]:
-                return False  # does not even divide in two
-            continue
-        strategy = strategies[0]  # one rule on a 1-D mesh: one strategy
-        args = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in trial.args)
-        try:
-            got = run_sharded(call.target, args, trial.kwargs, strategy, (n,), seed=n)
-        except Exception:  # noqa: BLE001 - a candidate that cannot run shard by shard does not hold
-            return False
-        if len(got) != len(trial.expected) or not all(_same(g, w) for g, w in zip(got, trial.expected)):
-            return False
-        tested = True
-    return tested
-
-
 def _discover(call: OpCall) -> Optional[tuple[AxisRule, ...]]:
     try:
         trials = [_Trial(call, seed) for seed in SEEDS]
@@ -196,24 +176,18 @@ def _discover(call: OpCall) -> Optional[tuple[AxisRule, ...]]:
         return None  # random op
     if len(trials[0].expected) != len(call.outputs):
         return None
-    from autopar.passes.rewrite import SIZE_ARG_OPS  # rewrite imports strategies, which imports this
     found = [AxisRule((R,) * len(call.inputs), (R,) * len(call.outputs))]
     out_choices = [output_options(m) for m in call.outputs]
     for ins in input_patterns(call):
-        if call.target in SIZE_ARG_OPS:  # the shard run itself depends on the output layout
-            found += [rule for rule in (AxisRule(ins, tuple(outs)) for outs in product(*out_choices))
-                      if all(_holds(call, t, rule) for t in trials)]
-        else:
-            found += [AxisRule(ins, tuple(outs)) for outs in product(*_holding_outputs(call, trials, ins, out_choices))]
+        found += [AxisRule(ins, tuple(outs)) for outs in product(*_holding_outputs(call, trials, ins, out_choices))]
     return tuple(found)
 
 
 def _holding_outputs(call: OpCall, trials: list[_Trial], ins: tuple[Placement, ...],
                      out_choices: list[list[Placement]]) -> list[list[Placement]]:
     """For each output, the placements under which it reassembles to the op's result
-    when the inputs are laid out as `ins`: the same tests as _holds, but the op runs
-    shard by shard once per draw and shard count, and each output's layouts are checked
-    on those blocks (a rule holds when every output does, so the product of these lists
+    when the inputs are laid out as `ins` (step 2's tests): the op runs shard by shard once
+    per draw and shard count, and each output's layouts are checked on those blocks (a rule holds when every output does, so the product of these lists
     is exactly the rules that hold, in the order of product(*out_choices))."""
     from autopar.passes.simulate import run_blocks
     holding = [list(c) for c in out_choices]

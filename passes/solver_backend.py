@@ -150,7 +150,8 @@ def _run_highs(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tupl
     h.run()
     model_status = h.getModelStatus()
     codes = highspy.HighsModelStatus
-    solved = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
+    info = h.getInfo()
+    solved = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
     if model_status == codes.kOptimal:
         status = SolveStatus.OPTIMAL
     elif model_status in (codes.kInfeasible, codes.kUnboundedOrInfeasible):
@@ -159,7 +160,7 @@ def _run_highs(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tupl
         status = SolveStatus.FEASIBLE if solved else SolveStatus.NOT_SOLVED
     if status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
         values = tuple(h.getSolution().col_value)
-        return status, values, h.getInfo().objective_function_value, float(h.getInfo().mip_gap)
+        return status, values, info.objective_function_value, float(info.mip_gap)
     return status, (0.0,) * len(p.cost), 0.0, None
 
 

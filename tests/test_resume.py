@@ -161,6 +161,21 @@ def _refusal(pm, opt, path, load=None):
         return (type(e).__name__, str(e), e.path)
 
 
+def _save_failure(pm, opt, root, step, owner, name, replacement):
+    """The CheckpointError text of a save with owner.name replaced on this rank (None:
+    left alone), or None when the save succeeds."""
+    original = getattr(owner, name)
+    if replacement is not None:
+        setattr(owner, name, replacement)
+    try:
+        save_training_checkpoint(pm, opt, root, step=step, keep=2)
+        return None
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        setattr(owner, name, original)
+
+
 def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
     """A save that fails on rank 1 raises on both ranks and leaves no step directory;
     keep=2 leaves the two newest complete checkpoints and no temp directory."""
@@ -168,30 +183,15 @@ def failed_save_and_keep(rank: int, world: int, root: str) -> dict:
     _mlp_step(pm, opt)
     for step in (1, 2, 3):
         save_training_checkpoint(pm, opt, root, step=step, keep=2)
-    writer = torch.distributed.checkpoint.FileSystemWriter
-    original = writer.write_data
-    if rank == 1:
-        def broken(self, plan, planner):
-            raise OSError("disk full (injected)")
-        writer.write_data = broken
-    try:
-        save_training_checkpoint(pm, opt, root, step=4, keep=2)
-        failure = None
-    except CheckpointError as e:
-        failure = str(e)
-    finally:
-        writer.write_data = original
+    def broken(self, plan, planner):
+        raise OSError("disk full (injected)")
+
+    failure = _save_failure(pm, opt, root, 4, torch.distributed.checkpoint.FileSystemWriter, "write_data",
+                            broken if rank == 1 else None)
     from autopar.runtime import resume as module
-    listing_files = module.list_files
-    if rank == 0:  # a step only rank 0 does fails: every rank raises, and the temp directory goes
-        module.list_files = lambda folder: 1 / 0
-    try:
-        save_training_checkpoint(pm, opt, root, step=5, keep=2)
-        rank0_failure = None
-    except CheckpointError as e:
-        rank0_failure = str(e)
-    finally:
-        module.list_files = listing_files
+    # a step only rank 0 does fails: every rank raises, and the temp directory goes
+    rank0_failure = _save_failure(pm, opt, root, 5, module, "list_files",
+                                  (lambda folder: 1 / 0) if rank == 0 else None)
     dist.barrier()
     listing = sorted(os.listdir(root))
     # rank 0 chooses what every rank resumes: rank 1's own view of the directory is ignored
