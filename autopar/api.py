@@ -13,11 +13,10 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
-from autopar.passes.trace import TracedGraph
-from autopar.passes.buffer_layouts import LocalBuffers
 from autopar.passes import planning
+from autopar.passes.buffer_layouts import LocalBuffers
 from autopar.passes.planning import options_with, plan_traced, planning_inputs
-from autopar.passes.trace import trace
+from autopar.passes.trace import TracedGraph, trace
 from autopar.runtime.dynamic_programs import DynamicPrograms
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
