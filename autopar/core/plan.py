@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from autopar.core import plan_io
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
-from autopar.core.plan_parts import Collective, EdgePlan, NodeChoice, SolverReport
+from autopar.core.plan_parts import Collective, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class Plan:
     state_bytes: int = 0  # per rank: gradients and optimiser state (training plans)
     cost_note: str = ""  # where the costs came from (preset, or profile and how many timings it lacked)
     discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/discovery.py)
+    # blocks recomputed in backward instead of keeping their activations (the ILP's choice under a budget)
+    recompute: tuple[RecomputedBlock, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -82,6 +84,8 @@ class Plan:
             f"{self.solver.solve_time_s:.2f} s"
             + (f", {self.solver.shared_blocks} repeated blocks sharing variables" if self.solver.shared_blocks else ""),
         ]
+        if self.recompute:
+            lines.append(f"  recomputed in backward: {', '.join(b.name for b in self.recompute)}")
         if self.cost_note:
             lines.append(f"  costs: {self.cost_note}")
         if self.unruled_ops:
@@ -176,4 +180,6 @@ class Plan:
             h.update(repr((n.name, [str(s) for s in n.inputs], [str(s) for s in n.outputs])).encode())
         for e in self.edges:
             h.update(repr((e.producer, e.index, e.consumer, e.position, [str(s) for s in e.steps])).encode())
+        for b in self.recompute:  # absent from plans without recompute, whose digest stays as it was
+            h.update(repr((b.name, b.nodes)).encode())
         return h.hexdigest()[:16]

@@ -19,6 +19,7 @@ Schema version 1 (keys of the top-level object):
     unruled_ops       ops replicated for want of a rule
     discovered_ops    ops sharded by rules found by experiment (absent in older files)
     cost_note         where the costs came from (preset, or profile and its missing timings)
+    recompute         [{name, nodes: [node]}]: blocks recomputed in backward (absent: none)
     nodes             [{name, op, kind, module, group, inputs: [spec], outputs: [spec], compute_s,
                         alternatives, options: [{inputs: ["S(0)R", ..], outputs: [..], compute_s,
                         reshard_in_s, reshard_out_s}]}]  (option placements over the node's metas)
@@ -50,7 +51,7 @@ from autopar.core.files import read_json, write_json_atomic
 from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Spec, TensorMeta, parse_placement, parse_placements
-from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverReport
+from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.resharding import Step
 
 SCHEMA = "autopar.plan"
@@ -118,6 +119,7 @@ def plan_to_dict(plan: Any) -> dict:
         "solver": asdict(plan.solver),
         "unruled_ops": list(plan.unruled_ops), "discovered_ops": list(plan.discovered_ops),
         "cost_note": plan.cost_note,
+        "recompute": [{"name": b.name, "nodes": list(b.nodes)} for b in getattr(plan, "recompute", ())],
         "nodes": [_node_to_json(n) for n in plan.nodes],
         "edges": [{"producer": e.producer, "index": e.index, "consumer": e.consumer, "position": e.position,
                    "comm_s": e.comm_s, "steps": [_step_to_json(s) for s in e.steps]} for e in plan.edges],
@@ -143,6 +145,7 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
                                  tuple(map(_step_from_json, e["steps"])), float(e["comm_s"])) for e in d["edges"]),
             compute_s=float(p["compute_s"]), comm_s=float(p["comm_s"]), param_bytes=int(p["param_bytes"]),
             activation_bytes=int(p["activation_bytes"]), solver=SolverReport(**d["solver"]),
+            recompute=tuple(RecomputedBlock(b["name"], tuple(b["nodes"])) for b in d.get("recompute", ())),
             unruled_ops=tuple(d.get("unruled_ops", ())), state_bytes=int(p.get("state_bytes", 0)),
             cost_note=d.get("cost_note", ""), discovered_ops=tuple(d.get("discovered_ops", ())))
     except (KeyError, TypeError, ValueError) as e:

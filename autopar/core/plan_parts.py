@@ -94,3 +94,14 @@ class SolverReport:
     constraints: int
     groups: int  # decision groups with their own variables (after following and clustering)
     shared_blocks: int = 0  # repeated blocks that reused another block's variables
+
+
+@dataclass(frozen=True)
+class RecomputedBlock:
+    """A repeated block (a transformer layer) whose activations are not kept for backward
+    but recomputed there (torch.utils.checkpoint semantics), as the ILP chose under a
+    memory budget (passes/recompute_ilp.py). Outputs read outside the block are still
+    kept; every other output of `nodes` is dropped after forward and made again."""
+
+    name: str  # the block's module path, e.g. "transformer.h.3"
+    nodes: tuple[str, ...]  # its op and getitem nodes, in graph order
