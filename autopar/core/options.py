@@ -9,12 +9,20 @@ import torch
 
 from autopar.core.dynamic import Dynamic
 from autopar.core.errors import OptionsError
+from autopar.core.links import link_overrides
 
 
 @dataclass(frozen=True)
 class Options:
     # device preset the analytic cost model plans for: "cpu", "a100", "h100", "h200"
     device: str = "cpu"
+    # machines the mesh's ranks run on, node-major (with torchrun: --nnodes); a mesh axis
+    # whose process groups all stay inside a node is priced with the preset's intra-node
+    # link, one with any group spanning nodes with its inter-node link (core/mesh.py)
+    nodes: int = 1
+    # links to price with instead of the preset's, per kind, e.g.
+    # {LinkKind.INTER: Link(alpha_s=20e-6, beta_s_per_byte=1 / 25e9, name="ib-200g")}; None: the preset's
+    links: Optional[dict] = None
     # where costs come from: "analytic" (roofline + alpha-beta presets), "profile"
     # (measure on this machine at compile, cached in profile_path), or the path of a saved
     # profile (plan offline for hardware you do not have)
@@ -75,6 +83,10 @@ class Options:
 
     def __post_init__(self) -> None:
         Dynamic.of(self.dynamic)  # a clear OptionsError for anything else
+        link_overrides(self.links)  # likewise
+        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
+            raise OptionsError(f"Options.nodes={self.nodes!r} is not a positive int; pass the number of machines "
+                               "the ranks run on (with torchrun: its --nnodes), 1 for one machine")
         for field_name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field_name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
