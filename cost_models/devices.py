@@ -1,25 +1,23 @@
 """Device and link presets from public datasheets (dense peak, no sparsity).
 
 Peaks are what the hardware can do; the compute model scales them by an achievable
-fraction, since no real kernel reaches peak."""
+fraction, since no real kernel reaches peak. Each preset has two links: intra-node
+(NVLink) and inter-node (InfiniBand). Which one a mesh axis gets depends on the node
+layout (Mesh.link_kinds): on one node (the default) every axis is intra-node; on N nodes
+an axis is inter-node when any of its process groups spans nodes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import torch
 
+from autopar.core.links import Link, LinkKind  # noqa: F401 - Link is re-exported (it was defined here)
+from autopar.core.mesh import Mesh
+
 TF = 1e12
 GBps = 1e9
-
-
-@dataclass(frozen=True)
-class Link:
-    """alpha-beta model of one mesh axis: a message of b bytes costs alpha + b * beta."""
-
-    alpha_s: float
-    beta_s_per_byte: float
-    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -28,15 +26,25 @@ class DeviceSpec:
     peak_flops: dict = field(hash=False)  # torch dtype -> FLOP/s
     mem_bw_bytes_per_s: float
     op_overhead_s: float  # launch / dispatch cost of one op
-    intra_link: Link = Link(0.0, 0.0)  # the last mesh axis (inside a node)
-    inter_link: Link = Link(0.0, 0.0)  # earlier mesh axes (across nodes)
+    intra_link: Link = Link(0.0, 0.0)  # axes whose groups stay inside a node
+    inter_link: Link = Link(0.0, 0.0)  # axes with a group spanning nodes
     achievable: float = 0.6  # fraction of peak a good kernel reaches
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         return self.peak_flops.get(dtype, self.peak_flops[torch.float32]) * self.achievable
 
-    def link(self, axis: int, mesh_ndim: int) -> Link:
-        return self.intra_link if axis == mesh_ndim - 1 else self.inter_link
+    def link(self, kind: LinkKind) -> Link:
+        return self.intra_link if kind is LinkKind.INTRA else self.inter_link
+
+    def axis_links(self, mesh_shape: tuple[int, ...], nodes: int = 1,
+                   overrides: Optional[Mapping[LinkKind, Link]] = None) -> tuple[Link, ...]:
+        """One link per mesh axis for the ranks spread over `nodes` nodes (node-major):
+        intra-node where every group of the axis lies inside a node, else inter-node
+        (a group partly inside still crosses: its ring runs at the slow hop's pace).
+        `overrides` replaces the preset's link of a kind (Options.links). MeshError when
+        `nodes` does not divide the mesh's size."""
+        chosen = {**{k: self.link(k) for k in LinkKind}, **dict(overrides or {})}
+        return tuple(chosen[k] for k in Mesh(tuple(mesh_shape)).link_kinds(nodes))
 
 
 _NV_DTYPES = (torch.bfloat16, torch.float16)

@@ -38,7 +38,7 @@ class CostModel:
     device: DeviceSpec
     mesh_shape: tuple[int, ...]
     training: bool = False
-    links: tuple[Link, ...] = ()  # per mesh axis; defaults from the device preset
+    links: tuple[Link, ...] = ()  # per mesh axis (DeviceSpec.axis_links); none: one node, all intra-node
     compute_table: Optional[ComputeTable] = field(default=None, compare=False)
     # measured links per (mesh axis, collective), from a calibration; take priority
     measured_links: dict = field(default_factory=dict, compare=False, hash=False)
@@ -46,14 +46,18 @@ class CostModel:
     compute_scale: float = 1.0
 
     @staticmethod
-    def analytic(device: "str | DeviceSpec", mesh_shape: tuple[int, ...], training: bool = False) -> "CostModel":
+    def analytic(device: "str | DeviceSpec", mesh_shape: tuple[int, ...], training: bool = False, nodes: int = 1,
+                 link_overrides: Optional[dict] = None) -> "CostModel":
+        """The preset's roofline and links, each mesh axis priced with the link its
+        groups use on `nodes` nodes (DeviceSpec.axis_links); `link_overrides` replaces
+        the preset's link of a LinkKind."""
         spec = preset(device) if isinstance(device, str) else device
-        return CostModel(spec, tuple(mesh_shape), training)
+        return CostModel(spec, tuple(mesh_shape), training, spec.axis_links(tuple(mesh_shape), nodes, link_overrides))
 
     def link(self, axis: int) -> Link:
         if self.links:
             return self.links[axis]
-        return self.device.link(axis, len(self.mesh_shape))
+        return self.device.intra_link  # no node layout given: one node, every axis inside it
 
     def local(self, spec: Spec) -> TensorMeta:
         return TensorMeta(spec.local_shape(self.mesh_shape), spec.meta.dtype)

@@ -4,11 +4,17 @@ calibration (alpha and beta per mesh axis and collective), kept in one JSON file
     {"schema": "autopar.profile", "schema_version": 1, "device": "cpu", "torch_version": ..,
      "created": "2026-11-30T04:10:00Z", "cpu_contention": 4.0,
      "compute": {"<op>|<input shapes:dtypes>|<output shapes>": seconds, ...},
-     "comm": {"<axis>:<collective>": {"alpha_s": .., "beta_s_per_byte": .., "residual": .., "ranks": n}}}
+     "comm": {"<axis>:<collective>": {"alpha_s": .., "beta_s_per_byte": .., "residual": .., "ranks": n,
+                                       "link": "intra" | "inter"}}}
 
 Compute keys name the ATen op and its local shapes and dtypes; the device and torch
 version are the file's. The planner looks timings up and falls back to the analytic
 roofline for missing ones, counting how many it did.
+
+A link fit holds for the axis it was measured on only while that axis's groups keep
+their size and their kind (inside one node or across nodes): a profile calibrated on
+one node is not applied to the inter-node axis of a two-node run; that axis is
+calibrated again (fits written before the kind was stored count as intra-node).
 
 This module prices only: the measuring (timing ops, calibrating links on live process
 groups, measuring CPU contention) lives in autopar/runtime/measure.py, and the file in
@@ -26,7 +32,7 @@ import torch
 from autopar.core.errors import PlanFileError
 from autopar.core.kinds import StepKind
 from autopar.core.placement import TensorMeta
-from autopar.cost_models.devices import Link
+from autopar.core.links import Link, LinkKind
 
 SCHEMA, VERSION = "autopar.profile", 1
 COLLECTIVES = tuple(k for k in StepKind if k.communicates)
@@ -57,12 +63,17 @@ class Profile:
             self.misses.add(key)
         return value
 
-    def links(self, mesh_shape: tuple[int, ...]) -> dict[tuple[int, str], Link]:
+    def links(self, mesh_shape: tuple[int, ...],
+              kinds: Optional[tuple[LinkKind, ...]] = None) -> dict[tuple[int, str], Link]:
+        """Calibrated links per (axis, collective) that fit this mesh: the axis has the
+        fit's size and, on `kinds` (Mesh.link_kinds; default all intra-node), its kind."""
+        kinds = kinds or (LinkKind.INTRA,) * len(mesh_shape)
         out = {}
         for key, fit in self.comm.items():
             axis, kind = key.split(":")
-            if int(axis) < len(mesh_shape) and fit.get("ranks") == mesh_shape[int(axis)]:
-                out[(int(axis), kind)] = Link(fit["alpha_s"], fit["beta_s_per_byte"], f"measured {key}")
+            a = int(axis)
+            if a < len(mesh_shape) and fit.get("ranks") == mesh_shape[a] and fit.get("link", "intra") == kinds[a].value:
+                out[(a, kind)] = Link(fit["alpha_s"], fit["beta_s_per_byte"], f"measured {key} ({kinds[a].value}-node)")
         return out
 
     # ---- the stored form (files go through autopar/core/files.py, not here) ----------

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from autopar import _compat
+from autopar.core.kinds import StepKind
+from autopar.core.links import AxisLink, LinkKind, link_overrides
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import Placement
@@ -36,13 +38,14 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     strategies' ops first, so it annotates once and plans from the same graph)."""
     traced, mesh = graph.traced, graph.mesh
     training = traced.training if options.training is None else options.training
-    costs = CostModel.analytic(options.device, mesh.shape, training)
+    costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
     if profile is None and options.cost_model not in ("analytic", "profile"):
         profile = load_profile(options.cost_model)
     note = f"analytic preset {costs.device.name}"
     if profile is not None:
         profile.misses.clear()
-        costs = replace(costs, compute_table=profile.compute_s, measured_links=profile.links(mesh.shape),
+        costs = replace(costs, compute_table=profile.compute_s,
+                        measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
                         compute_scale=profile.cpu_contention)
     plan = solve(graph, costs, options)
     if profile is not None:
@@ -51,7 +54,14 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                 f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
                 + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
                    else ""))
-    return replace(plan, cost_note=note)
+    return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
+
+
+def axis_links(costs: CostModel, kinds: tuple[LinkKind, ...]) -> tuple[AxisLink, ...]:
+    """The link each mesh axis was priced with, for the Plan: the calibrated all-reduce
+    fit where the profile has one, else the preset's (or Options.links') link."""
+    return tuple(AxisLink(kind, costs.measured_links.get((axis, StepKind.ALL_REDUCE.value)) or costs.link(axis))
+                 for axis, kind in enumerate(kinds))
 
 
 def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),

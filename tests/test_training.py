@@ -126,15 +126,15 @@ def test_small_batch_wide_layers_on_1x8_trains_megatron():
 
 
 def test_2x4_gives_a_hybrid():
-    # on an H100 cluster axis 0 crosses nodes (slow links), axis 1 stays inside one: a
-    # large batch through wide layers is split by data across nodes and by tensor inside
-    # them. Planned on the meta device: no weights or activations are allocated.
+    # on two H100 nodes of 4 (nodes=2) axis 0 crosses nodes (slow links), axis 1 stays
+    # inside one: a large batch through wide layers is split by data across nodes and by
+    # tensor inside them. Planned on the meta device: no weights or activations are allocated.
     with torch.device("meta"):
         model = RegressionMLP((4096, 16384, 4096)).train()
         x, y = torch.randn(32768, 4096), torch.randn(32768, 4096)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, (x, y), mesh=(2, 4), device="h100")
+        plan = autopar.plan(model, (x, y), mesh=(2, 4), device="h100", nodes=2)
     x = plan.node("input_0").outputs[0]
     weights = [n.outputs[0] for n in plan.nodes if n.kind is NodeKind.PARAMETER and n.outputs[0].meta.ndim == 2]
     assert x.placements[0] == autopar.Shard(0)  # data parallel across axis 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from autopar.core import plan_io
 from autopar.core.kinds import NodeKind
+from autopar.core.links import AxisLink
 from autopar.core.mesh import Mesh
 from autopar.core.plan_parts import Collective, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 
@@ -37,6 +38,7 @@ class Plan:
     discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/discovery.py)
     # blocks recomputed in backward instead of keeping their activations (the ILP's choice under a budget)
     recompute: tuple[RecomputedBlock, ...] = ()
+    links: tuple[AxisLink, ...] = ()  # per mesh axis: the link its collectives were priced with, and its kind
 
     @property
     def memory_bytes(self) -> int:
@@ -88,6 +90,8 @@ class Plan:
             lines.append(f"  recomputed in backward: {', '.join(b.name for b in self.recompute)}")
         if self.cost_note:
             lines.append(f"  costs: {self.cost_note}")
+        if self.links:
+            lines.append("  links: " + "; ".join(f"axis {a} {link}" for a, link in enumerate(self.links)))
         if self.unruled_ops:
             lines.append(f"  replicated for want of a rule: {', '.join(self.unruled_ops)}")
         if self.discovered_ops:

@@ -20,6 +20,8 @@ Schema version 1 (keys of the top-level object):
     discovered_ops    ops sharded by rules found by experiment (absent in older files)
     cost_note         where the costs came from (preset, or profile and its missing timings)
     recompute         [{name, nodes: [node]}]: blocks recomputed in backward (absent: none)
+    links             [{kind: "intra" | "inter", name, alpha_s, beta_s_per_byte}]: per mesh axis, the link
+                      its collectives were priced with (absent in older files: none recorded)
     nodes             [{name, op, kind, module, group, inputs: [spec], outputs: [spec], compute_s,
                         alternatives, options: [{inputs: ["S(0)R", ..], outputs: [..], compute_s,
                         reshard_in_s, reshard_out_s}]}]  (option placements over the node's metas)
@@ -49,6 +51,7 @@ from autopar._version import __version__
 from autopar.core.errors import PlanFileError
 from autopar.core.files import read_json, write_json_atomic
 from autopar.core.kinds import NodeKind, StepKind
+from autopar.core.links import AxisLink, Link, LinkKind
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Spec, TensorMeta, parse_placement, parse_placements
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
@@ -120,6 +123,7 @@ def plan_to_dict(plan: Any) -> dict:
         "unruled_ops": list(plan.unruled_ops), "discovered_ops": list(plan.discovered_ops),
         "cost_note": plan.cost_note,
         "recompute": [{"name": b.name, "nodes": list(b.nodes)} for b in getattr(plan, "recompute", ())],
+        "links": [dict(asdict(a.link), kind=a.kind.value) for a in getattr(plan, "links", ())],
         "nodes": [_node_to_json(n) for n in plan.nodes],
         "edges": [{"producer": e.producer, "index": e.index, "consumer": e.consumer, "position": e.position,
                    "comm_s": e.comm_s, "steps": [_step_to_json(s) for s in e.steps]} for e in plan.edges],
@@ -147,7 +151,9 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             activation_bytes=int(p["activation_bytes"]), solver=SolverReport(**d["solver"]),
             recompute=tuple(RecomputedBlock(b["name"], tuple(b["nodes"])) for b in d.get("recompute", ())),
             unruled_ops=tuple(d.get("unruled_ops", ())), state_bytes=int(p.get("state_bytes", 0)),
-            cost_note=d.get("cost_note", ""), discovered_ops=tuple(d.get("discovered_ops", ())))
+            cost_note=d.get("cost_note", ""), discovered_ops=tuple(d.get("discovered_ops", ())),
+            links=tuple(AxisLink(LinkKind(a["kind"]), Link(float(a["alpha_s"]), float(a["beta_s_per_byte"]), a["name"]))
+                        for a in d.get("links", ())))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e
 

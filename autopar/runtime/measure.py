@@ -3,7 +3,9 @@
 1. compute: every distinct (op, local shapes) the candidate strategies would run is
    timed here (CUDA events on a GPU, a monotonic clock on a CPU);
 2. contention: on a CPU host, how much slower ranks run when they share cores;
-3. links: each collective timed along each mesh axis, fitted to alpha + bytes * beta.
+3. links: each collective timed along each mesh axis on this rank's own group of that
+   axis (so on two nodes the axis inside a node and the axis across them get their own
+   figures), fitted to alpha + bytes * beta and tagged with the axis's link kind.
 The results go into a Profile (cost_models/profile.py), cached in one JSON file per
 device and torch version; the cost model only reads it.
 """
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from autopar import _compat
 from autopar.core.files import read_json, write_json_atomic
 from autopar.core.kinds import StepKind
+from autopar.core.links import LinkKind
 from autopar.core.mesh import Mesh
 from autopar.core.placement import TensorMeta
 from autopar.cost_models.profile import COLLECTIVES, Profile, compute_key, fit_alpha_beta
@@ -142,9 +145,12 @@ def measure_contention(device: torch.device, group=None) -> float:
 
 # ---- 3. communication calibration ------------------------------------------------
 
-def calibrate(comms: tuple[AxisComm, ...], device: torch.device, sizes: Optional[list[int]] = None, repeats: int = 5) -> dict:
-    """Time each collective along each mesh axis (every rank must call this) and fit."""
+def calibrate(comms: tuple[AxisComm, ...], device: torch.device, sizes: Optional[list[int]] = None, repeats: int = 5,
+              kinds: Optional[tuple[LinkKind, ...]] = None) -> dict:
+    """Time each collective along each mesh axis on its live group (every rank must call
+    this) and fit; `kinds` (Mesh.link_kinds, default all intra-node) tags each fit."""
     sizes = sizes or [4 << 10, 64 << 10, 1 << 20, 4 << 20, 32 << 20]
+    kinds = kinds or (LinkKind.INTRA,) * len(comms)
     out = {}
     for axis, comm in enumerate(comms):
         if comm.size == 1:
@@ -166,7 +172,8 @@ def calibrate(comms: tuple[AxisComm, ...], device: torch.device, sizes: Optional
             payload = [max(nbytes // 4 // comm.size * comm.size, comm.size) * 4 for nbytes in sizes]
             if kind is StepKind.ALL_GATHER:
                 payload = [p * comm.size for p in payload]  # the gathered result's bytes
-            out[f"{axis}:{kind.value}"] = fit_alpha_beta(payload, t.tolist(), comm.size, kind)
+            out[f"{axis}:{kind.value}"] = {**fit_alpha_beta(payload, t.tolist(), comm.size, kind),
+                                           "link": kinds[axis].value}
     return out
 
 
@@ -182,17 +189,21 @@ def save_profile(profile: Profile, path: str) -> None:
     write_json_atomic(path, profile.to_dict())
 
 
-def profile_for_mesh(path: str, mesh: Mesh, comms: tuple[AxisComm, ...], device: torch.device) -> Profile:
+def profile_for_mesh(path: str, mesh: Mesh, comms: tuple[AxisComm, ...], device: torch.device,
+                     nodes: int = 1) -> Profile:
     """The cached profile at `path` (a new one if there is none), with this mesh's links
     calibrated and, on a CPU host, the contention measured, where it lacks them. Every
-    rank must call this: calibration runs collectives on every axis."""
+    rank must call this: calibration runs collectives on every axis. `nodes`
+    (Options.nodes) decides each axis's link kind: a fit measured inside one node is not
+    reused for an axis that now crosses nodes, nor the other way round."""
+    kinds = mesh.link_kinds(nodes)
     if os.path.exists(path):
         profile = Profile.from_dict(read_json(path, "profile", "delete it to measure again"), f"profile {path}")
     else:
         profile = Profile(_compat.device_name(device))
-    have = profile.links(mesh.shape)
+    have = profile.links(mesh.shape, kinds)
     if device.type == "cpu" and (not have or profile.cpu_contention == 1.0):
         profile.cpu_contention = measure_contention(device)
     if any((a, k) not in have for a, n in enumerate(mesh.shape) if n > 1 for k in COLLECTIVES):
-        profile.comm.update(calibrate(comms, device))
+        profile.comm.update(calibrate(comms, device, kinds=kinds))
     return profile
