@@ -13,7 +13,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
-from autopar.passes import planning
+from autopar.passes import pipeline, planning
 from autopar.passes.buffer_layouts import LocalBuffers
 from autopar.passes.planning import options_with, plan_traced, planning_inputs
 from autopar.passes.trace import TracedGraph, trace
@@ -60,6 +60,8 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
     graph fingerprint, so compile(..., plan=that plan, dynamic=the same) runs it)."""
     opts = options_with(options, option_overrides)
     dynamic = Dynamic.of(opts.dynamic)
+    if opts.pipeline_axis is not None and dynamic is None:  # passes/pipeline.py: stages chosen by the planner
+        return pipeline.plan_model(model, *planning.planning_inputs(model, args, kwargs), Mesh.of(mesh), opts)
     if dynamic is None:
         return planning.plan(model, args, kwargs, mesh=mesh, options=opts)
     mesh_ = Mesh.of(mesh)

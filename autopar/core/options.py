@@ -9,6 +9,7 @@ import torch
 
 from autopar.core.dynamic import Dynamic
 from autopar.core.errors import OptionsError
+from autopar.core.pipeline import Schedule
 from autopar.core.links import link_overrides
 
 
@@ -80,9 +81,18 @@ class Options:
     # serve every size in a range. True: wide default ranges, priced at the sizes of the
     # call that plans; Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s)): explicit
     dynamic: "bool | Dynamic" = False
+    # pipeline parallelism (autopar/core/pipeline.py, passes/pipeline.py): the mesh axis whose
+    # coordinate is the stage, "auto" (the planner decides whether and on which axis
+    # pipelining pays), or None (no pipeline)
+    pipeline_axis: "int | str | None" = None
+    # microbatches per step when pipelining; they split dim 0 of every tensor input
+    microbatches: int = 1
+    # pipeline schedule: "gpipe", "1f1b" or "interleaved_1f1b" (autopar.Schedule)
+    pipeline_schedule: "Schedule | str" = "1f1b"
 
     def __post_init__(self) -> None:
         Dynamic.of(self.dynamic)  # a clear OptionsError for anything else
+        Schedule.of(self.pipeline_schedule)
         link_overrides(self.links)  # likewise
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
             raise OptionsError(f"Options.nodes={self.nodes!r} is not a positive int; pass the number of machines "

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Optional
 
 from autopar.core import plan_io
 from autopar.core.kinds import NodeKind
 from autopar.core.links import AxisLink
 from autopar.core.mesh import Mesh
+from autopar.core.pipeline import PipelinePlan
 from autopar.core.plan_parts import Collective, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 
 
@@ -36,6 +38,9 @@ class Plan:
     state_bytes: int = 0  # per rank: gradients and optimiser state (training plans)
     cost_note: str = ""  # where the costs came from (preset, or profile and how many timings it lacked)
     discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/discovery.py)
+    # stages, schedule and microbatches when a mesh axis pipelines (autopar/core/pipeline.py);
+    # the nodes and edges are then empty: each stage plans its own module on its sub-mesh
+    pipeline: Optional[PipelinePlan] = None
     # blocks recomputed in backward instead of keeping their activations (the ILP's choice under a budget)
     recompute: tuple[RecomputedBlock, ...] = ()
     links: tuple[AxisLink, ...] = ()  # per mesh axis: the link its collectives were priced with, and its kind
@@ -90,6 +95,8 @@ class Plan:
             lines.append(f"  recomputed in backward: {', '.join(b.name for b in self.recompute)}")
         if self.cost_note:
             lines.append(f"  costs: {self.cost_note}")
+        if self.pipeline is not None:
+            lines.append(self.pipeline.summary())
         if self.links:
             lines.append("  links: " + "; ".join(f"axis {a} {link}" for a, link in enumerate(self.links)))
         if self.unruled_ops:

@@ -19,6 +19,8 @@ Schema version 1 (keys of the top-level object):
     unruled_ops       ops replicated for want of a rule
     discovered_ops    ops sharded by rules found by experiment (absent in older files)
     cost_note         where the costs came from (preset, or profile and its missing timings)
+    pipeline          only in pipelined plans: {axis, microbatches, schedule, container, blocks,
+                      bubble_s, step_s, stages: [{index, rank, first, stop, step_s, send_bytes, send_s}]}
     recompute         [{name, nodes: [node]}]: blocks recomputed in backward (absent: none)
     links             [{kind: "intra" | "inter", name, alpha_s, beta_s_per_byte}]: per mesh axis, the link
                       its collectives were priced with (absent in older files: none recorded)
@@ -53,6 +55,7 @@ from autopar.core.files import read_json, write_json_atomic
 from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.links import AxisLink, Link, LinkKind
 from autopar.core.mesh import Mesh
+from autopar.core.pipeline import pipeline_from_json, pipeline_to_json
 from autopar.core.placement import Spec, TensorMeta, parse_placement, parse_placements
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.resharding import Step
@@ -112,6 +115,13 @@ def _node_from_json(n: dict) -> NodeChoice:
 
 def plan_to_dict(plan: Any) -> dict:
     """The JSON-ready form of a Plan (any object with a Plan's fields)."""
+    out = _plan_dict(plan)
+    if getattr(plan, "pipeline", None) is not None:
+        out["pipeline"] = pipeline_to_json(plan.pipeline)
+    return out
+
+
+def _plan_dict(plan: Any) -> dict:
     return {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "autopar_version": __version__,
         "torch_version": torch.__version__, "model": plan.model_name, "fingerprint": plan.fingerprint,

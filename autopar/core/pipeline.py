@@ -1,0 +1,121 @@
+"""Pipeline parallelism as plan data: which mesh axis pipelines, the stages, the schedule.
+
+    Plan.pipeline: PipelinePlan | None   (None: no axis pipelines; the JSON has no key)
+
+A pipelined plan splits the repeated blocks of the model (passes/clusters.py) into
+contiguous ranges, one per stage; stage k runs on the ranks whose coordinate on the
+pipeline axis is k, a sub-mesh (the mesh without that axis) on which its own intra-op
+plan runs. The first stage also holds what comes before the blocks (embeddings), the
+last what comes after (final norm, head, loss). Microbatches split the batch (dim 0 of
+every tensor input) so that stages overlap; the schedule orders them (torch's
+ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B).
+
+Plain frozen values and their JSON form (the Plan's schema lives in plan_io.py, which
+calls pipeline_to_json / pipeline_from_json for its optional "pipeline" key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from autopar.core.errors import OptionsError
+
+
+class PipelineError(OptionsError):
+    """A pipeline request that cannot be met (too many stages, microbatches that do not
+    divide the batch, an axis that is not on the mesh)."""
+
+
+class Schedule(str, Enum):
+    """The order stages run microbatches in (torch.distributed.pipelining's schedules)."""
+
+    GPIPE = "gpipe"  # all forwards, then all backwards: bubble (S-1)/M, M microbatches live
+    ONE_F_ONE_B = "1f1b"  # one forward, one backward once warm: same bubble, at most S live
+    INTERLEAVED_1F1B = "interleaved_1f1b"  # v chunks per rank: bubble (S-1)/(v M)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # str's hash differs between runs; an enum's value is stable
+        return hash(("Schedule", self.value))
+
+    @staticmethod
+    def of(value: "Schedule | str") -> "Schedule":
+        if isinstance(value, Schedule):
+            return value
+        try:
+            return Schedule(value)
+        except ValueError:
+            raise PipelineError(f"pipeline schedule {value!r} is not known; use one of "
+                                f"{[s.value for s in Schedule]} (or autopar.Schedule.<NAME>)") from None
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Stages (model chunks) each pipeline rank holds."""
+        return 2 if self is Schedule.INTERLEAVED_1F1B else 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: blocks [first, stop) of the container, on pipeline coordinate `rank`."""
+
+    index: int  # stage number in model order
+    rank: int  # coordinate on the pipeline axis that runs it
+    first: int  # first block index (inclusive)
+    stop: int  # last block index + 1
+    step_s: float  # predicted seconds of one microbatch through this stage (forward + backward)
+    send_bytes: int  # activation bytes of one microbatch sent on to the next stage (0 for the last)
+    send_s: float  # seconds to send them over the pipeline axis (and their gradient back, training)
+
+    @property
+    def blocks(self) -> range:
+        return range(self.first, self.stop)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    axis: int  # the mesh axis whose coordinate is the stage
+    microbatches: int
+    schedule: Schedule
+    container: str  # module path of the repeated blocks, e.g. "transformer.h"
+    blocks: int  # how many blocks the container has
+    stages: tuple[Stage, ...]
+    bubble_s: float  # predicted idle seconds per step on the slowest stage
+    step_s: float  # predicted seconds of one step (all microbatches)
+
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        """Module paths each later stage begins at: "transformer.h.2"."""
+        return tuple(f"{self.container}.{s.first}" for s in self.stages[1:])
+
+    def summary(self) -> str:
+        ranges = ", ".join(f"{s.first}-{s.stop - 1}" for s in self.stages)
+        return (f"  pipeline: axis {self.axis}, {len(self.stages)} stages over {self.container} blocks [{ranges}], "
+                f"{self.schedule} with {self.microbatches} microbatches; bubble {self.bubble_s * 1e3:.3f} ms "
+                f"of {self.step_s * 1e3:.3f} ms")
+
+
+def check_request(mesh_shape: tuple[int, ...], axis: Any, microbatches: Any) -> None:
+    """A clear error for a pipeline axis that is not a mesh axis or microbatches < 1."""
+    if not (isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < len(mesh_shape)):
+        raise PipelineError(f"pipeline_axis={axis!r} is not an axis of mesh {mesh_shape}; give an axis number "
+                            f"0..{len(mesh_shape) - 1}, 'auto' (the planner decides) or None")
+    if not (isinstance(microbatches, int) and not isinstance(microbatches, bool) and microbatches >= 1):
+        raise PipelineError(f"microbatches={microbatches!r} must be a positive int (usually a multiple of the "
+                            f"{mesh_shape[axis]} pipeline stages)")
+
+
+def pipeline_to_json(p: PipelinePlan) -> dict:
+    return {"axis": p.axis, "microbatches": p.microbatches, "schedule": p.schedule.value,
+            "container": p.container, "blocks": p.blocks, "bubble_s": p.bubble_s, "step_s": p.step_s,
+            "stages": [{"index": s.index, "rank": s.rank, "first": s.first, "stop": s.stop, "step_s": s.step_s,
+                        "send_bytes": s.send_bytes, "send_s": s.send_s} for s in p.stages]}
+
+
+def pipeline_from_json(d: dict) -> PipelinePlan:
+    stages = tuple(Stage(int(s["index"]), int(s["rank"]), int(s["first"]), int(s["stop"]), float(s["step_s"]),
+                         int(s["send_bytes"]), float(s["send_s"])) for s in d["stages"])
+    return PipelinePlan(int(d["axis"]), int(d["microbatches"]), Schedule(d["schedule"]), d["container"],
+                        int(d["blocks"]), stages, float(d["bubble_s"]), float(d["step_s"]))

@@ -1,0 +1,288 @@
+"""Pipeline stages chosen by the planner (Alpa's inter-operator pass over layer clusters).
+
+    traced graph at microbatch size + mesh + pipeline axis  ->  Plan with .pipeline
+
+1. The sub-mesh is the mesh without the pipeline axis; the intra-op ILP (passes/solve.py)
+   plans the whole graph at microbatch size on it, once per sub-mesh shape (memoised:
+   every axis of a (2, 2, 2) mesh leaves the same (2, 2) sub-mesh).
+2. The repeated blocks (passes/clusters.find_blocks; the container with the most) are the
+   units a stage is made of. Each node's price in that plan (its compute and the reshards
+   into it) goes to its unit: a block, or the part before the blocks (stage 0) or after
+   them (last stage). With clustered twin blocks the ILP picks alike for every inner
+   block, so a block's price does not depend on which stage holds it.
+3. Each boundary after block j carries the activations produced at or before j and read
+   after it (full microbatch tensors: a stage's program returns full outputs), priced as a
+   point-to-point send on the pipeline axis's link: alpha + bytes * beta, twice in
+   training (the gradient comes back).
+4. Dynamic programming over contiguous block ranges: for n stages,
+       F[k][j] = min_i max(F[k-1][i], cost(i, j)),   cost(i, j) = sum of units i..j-1 (+ the
+       part before the blocks if i = 0, + the part after if j = L) + send after j-1 (j < L)
+   minimises the slowest stage (balance). The step then takes
+       T = M * (slowest rank's load per microbatch) + (S - 1) * (slowest stage)
+   (the second term is the bubble: (S-1)/M of a stage step per microbatch; interleaved
+   schedules hold v chunks per rank, so the bubble shrinks by v).
+5. pipeline_axis="auto": every axis of size > 1 whose stages fit the blocks is tried
+   against the plain ILP over the whole mesh at the full batch; the cheapest wins (ties:
+   the plain plan, then the lower axis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from autopar import _compat
+from autopar.core.kinds import NodeKind
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, check_request
+from autopar.core.plan import Plan
+from autopar.cost_models.model import CostModel
+from autopar.passes.clusters import find_blocks
+from autopar.passes.planning import plan_annotated, plan_traced, trace_for_planning
+from autopar.passes.strategies import AnnotatedGraph, annotate
+from autopar.passes.trace import TracedGraph
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Units:
+    """What the stage DP chooses over: the price of each block and of the parts around
+    them, and the bytes crossing each boundary between blocks."""
+
+    container: str
+    block_s: tuple[float, ...]  # one microbatch through block i (forward + backward in training)
+    before_s: float  # the nodes before the first block (embeddings): stage 0
+    after_s: float  # the nodes after the last block (final norm, head, loss): the last stage
+    boundary_bytes: tuple[int, ...]  # [j]: bytes sent from block j to block j+1 (len = blocks - 1)
+
+
+# ---- 0. inputs and meshes ----------------------------------------------------------
+
+def microbatch_inputs(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
+    """One microbatch of the inputs: dim 0 of every tensor leaf divided by `microbatches`."""
+    leaves, tree = _compat.tree_flatten((tuple(args), dict(kwargs)))
+    out = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            batch = x.shape[0] if x.ndim else 1
+            if x.ndim == 0 or batch % microbatches:
+                raise PipelineError(f"microbatches={microbatches} does not divide the batch of input tensor #{i} "
+                                    f"(shape {tuple(x.shape)}): pick microbatches that divide {batch}, or a batch "
+                                    f"that is a multiple of {microbatches}")
+            x = x[: batch // microbatches]
+        out.append(x)
+    return _compat.tree_unflatten(out, tree)
+
+
+def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
+    """The mesh one stage runs on: `mesh` without the pipeline axis ((1,) if nothing is left)."""
+    rest = tuple(s for a, s in enumerate(mesh.shape) if a != axis)
+    return Mesh(rest or (1,))
+
+
+# ---- 1-3. prices of the units --------------------------------------------------------
+
+def units_of(graph: AnnotatedGraph, plan: Plan) -> Units:
+    """Step 2 and 3: each node's price in `plan` assigned to its block, or before/after."""
+    container, position = _positions(graph)
+    blocks = max(position.values()) if position else 0
+    price = {n.name: n.compute_s for n in plan.nodes}
+    for e in plan.edges:
+        price[e.consumer] = price.get(e.consumer, 0.0) + e.comm_s
+    block_s = [0.0] * blocks
+    before_s = after_s = 0.0
+    for n in graph.nodes:
+        p = position[n.name]
+        if p < 0:
+            before_s += price[n.name]
+        elif p >= blocks:
+            after_s += price[n.name]
+        else:
+            block_s[p] += price[n.name]
+    return Units(container, tuple(block_s), before_s, after_s, _boundary_bytes(graph, position, blocks))
+
+
+def _positions(graph: AnnotatedGraph) -> tuple[str, dict[str, int]]:
+    """The block container with the most blocks, and each node's place: its block's rank
+    among them, -1 before the first block, len(blocks) after the last."""
+    block_of = find_blocks(graph)
+    counts: dict[str, set[int]] = {}
+    for container, index in block_of.values():
+        counts.setdefault(container, set()).add(index)
+    if not counts:
+        raise PipelineError(f"model {graph.traced.model_name} has no repeated blocks (a ModuleList of layers such "
+                            "as transformer.h.0, transformer.h.1, ...) to split into pipeline stages; plan it "
+                            "without pipeline_axis")
+    container = min(counts, key=lambda c: (-len(counts[c]), c))
+    order = {index: rank for rank, index in enumerate(sorted(counts[container]))}
+    inside = [i for i, n in enumerate(graph.nodes) if block_of.get(n.name, ("", 0))[0] == container]
+    first, last, blocks = inside[0], inside[-1], len(order)
+    position, current = {}, -1
+    for i, n in enumerate(graph.nodes):
+        key = block_of.get(n.name)
+        if key is not None and key[0] == container:
+            current = position[n.name] = order[key[1]]
+        elif n.kind.is_input:  # graph inputs come first; a parameter lives with its reader
+            position[n.name] = -1
+        else:  # nodes between blocks go with the block before them
+            position[n.name] = -1 if i < first else (blocks if i > last else current)
+    return container, position
+
+
+def _boundary_bytes(graph: AnnotatedGraph, position: dict[str, int], blocks: int) -> tuple[int, ...]:
+    """Bytes of the values made at or before block j and read after it, per boundary j."""
+    crossing = [0] * max(blocks - 1, 0)
+    last_use: dict[str, int] = {}
+    for v in graph.nodes:
+        for u, _ in v.inputs:
+            last_use[u] = max(last_use.get(u, -1), position[v.name])
+    for n in graph.nodes:
+        if n.kind.is_state or n.kind is NodeKind.CONSTANT or not n.strategies or n.name not in last_use:
+            continue
+        nbytes = sum(o.meta.nbytes for o in n.strategies[0].outputs)
+        for j in range(max(position[n.name], 0), min(last_use[n.name], blocks - 1)):
+            crossing[j] += nbytes
+    return tuple(crossing)
+
+
+# ---- 4. the stage DP ---------------------------------------------------------------
+
+def split_stages(units: Units, send_s: tuple[float, ...], stages: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous block ranges, one per stage, minimising the slowest stage (step 4).
+    Ties go to the earliest split, so the answer never depends on iteration order."""
+    blocks = len(units.block_s)
+    prefix = [0.0]
+    for c in units.block_s:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int) -> float:
+        return (prefix[j] - prefix[i] + (units.before_s if i == 0 else 0.0)
+                + (units.after_s if j == blocks else send_s[j - 1]))
+    inf = float("inf")
+    best = [[inf] * (blocks + 1) for _ in range(stages + 1)]
+    cut = [[0] * (blocks + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, blocks + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], cost(i, j))
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    ranges, j = [], blocks
+    for k in range(stages, 0, -1):
+        ranges.append((cut[k][j], j))
+        j = cut[k][j]
+    return tuple(reversed(ranges))
+
+
+def stage_values(units: Units, send_s: tuple[float, ...], send_bytes: tuple[int, ...],
+                 ranges: tuple[tuple[int, int], ...], ranks: int) -> tuple[Stage, ...]:
+    blocks = len(units.block_s)
+    out = []
+    for k, (i, j) in enumerate(ranges):
+        step = sum(units.block_s[i:j]) + (units.before_s if i == 0 else 0.0) + (units.after_s if j == blocks else 0.0)
+        last = j == blocks
+        out.append(Stage(k, k % ranks, i, j, step, 0 if last else send_bytes[j - 1], 0.0 if last else send_s[j - 1]))
+    return tuple(out)
+
+
+def step_time(stages: tuple[Stage, ...], ranks: int, microbatches: int) -> tuple[float, float]:
+    """(step seconds, bubble seconds): T = M * max rank load + (S - 1) * max stage (step 4)."""
+    slowest = max(s.step_s + s.send_s for s in stages)
+    load = [0.0] * ranks
+    for s in stages:
+        load[s.rank] += s.step_s + s.send_s
+    bubble = (ranks - 1) * slowest
+    return microbatches * max(load) + bubble, bubble
+
+
+# ---- 5. plans ----------------------------------------------------------------------
+
+class SubMeshSolves:
+    """The intra-op plan of the microbatch graph per sub-mesh shape, solved once each."""
+
+    def __init__(self, traced: TracedGraph, options: Options) -> None:
+        self.traced, self.options = traced, options
+        self._done: dict[tuple[int, ...], tuple[AnnotatedGraph, Plan]] = {}
+
+    def __call__(self, mesh: Mesh) -> tuple[AnnotatedGraph, Plan]:
+        if mesh.shape not in self._done:
+            graph = annotate(self.traced, mesh, None, self.options.discover_rules)
+            self._done[mesh.shape] = (graph, plan_annotated(graph, self.options))
+        return self._done[mesh.shape]
+
+
+def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:
+    """The best pipelined plan with `axis` as the pipeline axis (steps 1-4)."""
+    schedule, microbatches = Schedule.of(options.pipeline_schedule), options.microbatches
+    check_request(mesh.shape, axis, microbatches)
+    ranks = mesh.shape[axis]
+    graph, sub = solves(stage_mesh(mesh, axis))
+    units = units_of(graph, sub)
+    n_stages = ranks * schedule.chunks_per_rank
+    if n_stages > len(units.block_s):
+        raise PipelineError(f"pipeline axis {axis} of mesh {mesh.shape} asks for {n_stages} stages ({ranks} ranks x "
+                            f"{schedule.chunks_per_rank} chunks, schedule {schedule}) but {full.model_name} has only "
+                            f"{len(units.block_s)} blocks in {units.container}; pipeline over an axis of at most "
+                            f"{len(units.block_s)} ranks, use schedule '1f1b', or set pipeline_axis=None")
+    training = full.training if options.training is None else options.training
+    link = CostModel.analytic(options.device, mesh.shape, training).link(axis)
+    sends = tuple((link.alpha_s + b * link.beta_s_per_byte) * (2 if training else 1) for b in units.boundary_bytes)
+    stages = stage_values(units, sends, units.boundary_bytes, split_stages(units, sends, n_stages), ranks)
+    step_s, bubble_s = step_time(stages, ranks, microbatches)
+    pipeline = PipelinePlan(axis, microbatches, schedule, units.container, len(units.block_s), stages, bubble_s, step_s)
+    comm_share = sub.comm_s / sub.total_s if sub.total_s else 0.0
+    return Plan(mesh, full.model_name, full.fingerprint, training, sub.device, (), (), step_s * (1 - comm_share),
+                step_s * comm_share, _stage_param_bytes(sub, graph, stages, units), 0,
+                replace(sub.solver, objective_s=step_s), sub.unruled_ops, state_bytes=0,
+                cost_note=f"{sub.cost_note}; stages priced on sub-mesh {stage_mesh(mesh, axis).shape} at "
+                          "microbatch size", discovered_ops=sub.discovered_ops, pipeline=pipeline)
+
+
+def _stage_param_bytes(sub: Plan, graph: AnnotatedGraph, stages: tuple[Stage, ...], units: Units) -> int:
+    """Parameter bytes per rank of the heaviest pipeline rank."""
+    _, position = _positions(graph)
+    blocks = len(units.block_s)
+    per_rank: dict[int, int] = {}
+    for n in sub.nodes:
+        if not n.kind.is_state:
+            continue
+        p = min(max(position[n.name], 0), blocks - 1)
+        owner = next(s.rank for s in stages if s.first <= p < s.stop)
+        per_rank[owner] = per_rank.get(owner, 0) + n.outputs[0].local_nbytes(sub.mesh.shape)
+    return max(per_rank.values(), default=0)
+
+
+def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
+    """autopar.plan with Options.pipeline_axis set: trace at the full batch and at one
+    microbatch, then choose_plan."""
+    if options.pipeline_axis != AUTO:
+        check_request(mesh.shape, options.pipeline_axis, options.microbatches)
+    micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
+    full = trace_for_planning(model, args, kwargs, options.param_dtype)
+    micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)
+    return choose_plan(full, micro, mesh, options, lambda: plan_traced(full, mesh, options)[1])
+
+
+def choose_plan(full: TracedGraph, micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> Plan:
+    """Options.pipeline_axis: an axis (that axis pipelines) or "auto" (step 5). `plain` is
+    a function of no arguments returning the unpipelined plan (solved only for "auto")."""
+    axis = options.pipeline_axis
+    solves = SubMeshSolves(micro, options)
+    if axis != AUTO:
+        return pipelined_plan(full, solves, mesh, axis, options)
+    best = plain()
+    for a, size in enumerate(mesh.shape):
+        if size == 1:
+            continue
+        try:
+            candidate = pipelined_plan(full, solves, mesh, a, options)
+        except PipelineError:
+            continue  # more stages than blocks on this axis: not a candidate
+        if candidate.total_s < best.total_s:
+            best = candidate
+    return best
