@@ -20,6 +20,7 @@ from autopar._version import __version__
 _EXPORTS = {
     "Mesh": "autopar.core.mesh", "Options": "autopar.core.options",
     "Dynamic": "autopar.core.dynamic", "OutOfRange": "autopar.core.dynamic",
+    "Link": "autopar.core.links", "LinkKind": "autopar.core.links",
     "Spec": "autopar.core.placement", "TensorMeta": "autopar.core.placement", "Shard": "autopar.core.placement",
     "Replicate": "autopar.core.placement", "Partial": "autopar.core.placement",
     "Plan": "autopar.core.plan", "Collective": "autopar.core.plan",

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from autopar.core.dynamic import Dynamic
 from autopar.core.errors import MeshError
-from autopar.core.mesh import Mesh
+from autopar.core.mesh import Mesh, check_node_layout
 from autopar.core.options import Options
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
@@ -39,11 +41,15 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     A model on the meta device is planned without weights; its shards are then read
     per rank with pm.load_safetensors / load_full_state_dict / load_checkpoint onto
     `materialize_on` (default cpu). Keyword overrides go to Options (device=..., training=...).
+    `nodes=N` says the ranks run on N machines (node-major, as torchrun numbers them): mesh
+    axes inside a node are priced with the preset's intra-node link, the others with its
+    inter-node one (`links=` overrides either); N must divide the world.
     `dynamic=True` (or autopar.Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s))) traces
     batch and sequence dims as symbolic: one trace and one plan serve every size in the
     range (autopar/core/dynamic.py; pm.plans lists what was planned).
     """
     opts = options_with(options, option_overrides)
+    check_launch_layout(Mesh.of(mesh), opts.nodes)
     pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on)
     if args is not None or kwargs is not None:
         if args is not None and not isinstance(args, (tuple, list)):
@@ -59,6 +65,7 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
     `dynamic=`, the trace and plan compile would make for these inputs' range (the same
     graph fingerprint, so compile(..., plan=that plan, dynamic=the same) runs it)."""
     opts = options_with(options, option_overrides)
+    Mesh.of(mesh).ranks_per_node(opts.nodes)  # a node count that does not divide the mesh fails before tracing
     dynamic = Dynamic.of(opts.dynamic)
     if opts.pipeline_axis is not None and dynamic is None:  # passes/pipeline.py: stages chosen by the planner
         return pipeline.plan_model(model, *planning.planning_inputs(model, args, kwargs), Mesh.of(mesh), opts)
@@ -71,6 +78,16 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
         return _Planned(traced, plan_traced(traced, mesh_, opts)[1])
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     return DynamicPrograms(dynamic, traced_plan).compiled(args, dict(kwargs or {})).plan
+
+
+def check_launch_layout(mesh: Mesh, nodes: int) -> None:
+    """Before any collective: `mesh` on `nodes` nodes (Options.nodes) fits the running
+    process group, and, under torchrun, its ranks per node (LOCAL_WORLD_SIZE) too, so a
+    wrong node count fails on every rank with a MeshError naming it, not a mispriced plan."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the runtime's own check says how to start a process group
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    check_node_layout(mesh, nodes, dist.get_world_size(), int(local) if local.isdigit() else None)
 
 
 @dataclass(frozen=True)
@@ -97,6 +114,7 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     """
     opts = options_with(options, {"training": False, **option_overrides})
     mesh_ = Mesh.of(mesh)
+    check_launch_layout(mesh_, opts.nodes)
     cached = CachedLM(model.eval(), max_batch, max_cache_len)
     layout = _cache_layout(cache_layout, cached, mesh_)
     pm = ParallelModule(cached, mesh_, opts, local_buffers=LocalBuffers(tuple(cached.cache_names()), (0, 1), layout))

@@ -28,9 +28,22 @@ def _spawned(rank: int, world: int, store: str, run: Callable, args: Any, timeou
         dist.destroy_process_group()
 
 
+def init_torchrun_group(timeout_s: float) -> None:
+    """The gloo default group of this torchrun attempt, on one node or several (ranks are
+    numbered node-major: GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK). torchrun (2.4 and
+    later) shares its agent's TCPStore with the workers and keeps it across restarts, so a
+    restarted group would find the dead attempt's gloo addresses under the same keys
+    (pytorch/pytorch#135712); a prefix per attempt keeps each attempt's keys apart."""
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
 def launch(run: Callable, args: Any, world: int, timeout_s: float = 600) -> None:
     if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        init_torchrun_group(timeout_s)
         try:
             run(dist.get_rank(), dist.get_world_size(), args)
         finally:
