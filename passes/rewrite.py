@@ -180,10 +180,14 @@ def local_sizes(graph: fx.Graph, sizes: Any, output: Spec, mesh_shape: tuple[int
     return out
 
 
-def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[int, ...]) -> tuple:
-    """Arguments that spell the output's global size become the local size."""
+def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
+                  coords: Optional[tuple[int, ...]] = None) -> tuple:
+    """Arguments that spell the output's global size become the local size: the block of
+    the rank at `coords` (an uneven shard's last blocks are short), else the largest."""
     if target in SIZE_ARG_OPS and outputs:
-        return (args[0], list(outputs[0].local_shape(mesh_shape))) + tuple(args[2:])
+        out = outputs[0]
+        shape = out.local_shape(mesh_shape) if coords is None else out.local_shape_at(mesh_shape, coords)
+        return (args[0], list(shape)) + tuple(args[2:])
     return args
 
 
@@ -194,7 +198,7 @@ def localize_call(target: Any, args: tuple, inputs: tuple, outputs: tuple, mesh_
     local_sizes made them so), and ops whose sharded form is another op
     (passes/local_ops.py) replaced."""
     if not sizes_done:
-        args = localize_args(target, args, outputs, mesh_shape)
+        args = localize_args(target, args, outputs, mesh_shape, coords)
     if target is aten.squeeze.default and inputs:
         # squeeze() drops every unit dim, and a dim split to one element per rank is a unit
         # dim locally: drop only the dims that are unit dims of the whole tensor

@@ -2,6 +2,11 @@
 
     TracedGraph + Mesh -> AnnotatedGraph(nodes: PlannedNode(inputs, strategies))
 
+Uneven shards (torch.chunk blocks with a short last one, autopar/core/placement.py) are
+offered in graphs without symbolic sizes, for placeholders and for ops with a hand rule
+(passes/rules/registry.py expand says where they are exact); a discovered rule was
+verified on even blocks only.
+
 1. Placeholders (parameters, buffers, user inputs) may take any R/S(d) layout; a
    pinned layout (a parameter already sharded by an earlier plan, or a hand plan's
    parameter or input layout) is the only choice.
@@ -97,12 +102,13 @@ def op_call(node: fx.Node) -> OpCall:
                   output_metas(node))
 
 
-def layouts(meta: TensorMeta, mesh: Mesh) -> list[Spec]:
-    """Every R/S(d) layout of a tensor that divides evenly on the mesh."""
+def layouts(meta: TensorMeta, mesh: Mesh, uneven: bool = False) -> list[Spec]:
+    """Every R/S(d) layout of a tensor that divides evenly on the mesh (with `uneven`,
+    also those one axis cuts into unequal chunks; autopar/core/placement.py)."""
     split: list[Placement] = [R] + [Shard(d) for d, s in enumerate(meta.shape) if s > 1]
     per_axis = [split if n > 1 else [R] for n in mesh.shape]
     specs = [Spec(tuple(c), meta) for c in product(*per_axis)]
-    return [s for s in specs if s.fits(mesh.shape)]
+    return [s for s in specs if s.fits(mesh.shape, uneven)]
 
 
 def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement, ...]] | None = None,
@@ -113,9 +119,10 @@ def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement,
     nodes: list[PlannedNode] = []
     by_name: dict[str, PlannedNode] = {}
     unruled: dict[str, None] = {}
+    uneven = not traced.symbolic  # a split of a symbolic size is planned even (passes/dynamic.py)
     for node in traced.gm.graph.nodes:
         planned = _plan_node(node, traced, mesh, inputs, pinned, by_name, unruled,
-                             discovered if discover_rules else None)
+                             discovered if discover_rules else None, uneven)
         if planned is not None:
             nodes.append(planned)
             by_name[planned.name] = planned
@@ -128,14 +135,15 @@ def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement,
 
 
 def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pinned: dict,
-               by_name: dict, unruled: dict, discovered: Optional[dict]) -> Optional[PlannedNode]:
+               by_name: dict, unruled: dict, discovered: Optional[dict], uneven: bool
+               ) -> Optional[PlannedNode]:
     # 1. placeholders
     if node.op == "placeholder":
         gi = inputs[node.name]
         if gi.target in pinned:  # a state-dict key, or a user input's leaf index
             specs = [Spec(tuple(pinned[gi.target]), gi.meta)]
         else:
-            specs = layouts(gi.meta, mesh)
+            specs = layouts(gi.meta, mesh, uneven)
         return PlannedNode(node.name, "placeholder", (), tuple(Strategy((), (s,)) for s in specs),
                            rule_source="", kind=gi.kind)
     # 4. output
@@ -182,7 +190,7 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                 f"sharding rule {rule_name} for {describe_node(node)} gave {len(r.inputs)} input / "
                 f"{len(r.outputs)} output placements; the op has {len(call.inputs)} tensor inputs and "
                 f"{len(call.outputs)} tensor outputs")
-    strategies = expand(axis_rules, call, mesh.shape)
+    strategies = expand(axis_rules, call, mesh.shape, uneven and source == "hand")
     return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
                        module_path(node), source)
 

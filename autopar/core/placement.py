@@ -4,12 +4,22 @@ A placement says how one mesh axis holds a tensor; a Spec is one placement per m
 axis plus the tensor's global shape and dtype. Nothing here runs a collective.
 
     R      every rank on the axis holds the whole tensor
-    S(d)   the tensor is split in equal chunks along dim d across the axis
+    S(d)   the tensor is split in chunks along dim d across the axis, as torch.chunk
+           cuts it: blocks of ceil(n / k), the last ones shorter where k does not divide n
     P      every rank holds a summand; the true value is their sum
     P(avg) / P(max): the true value is the mean / maximum over the axis
 
 Several axes may shard the same dim: the earlier mesh axis is the outer split
 (rank (i, j) of a (2, 4) mesh with S(0)S(0) holds chunk i * 4 + j of 8).
+
+Uneven shards (a dim of size n on an axis of size k, n % k != 0) follow torch.chunk, as
+DTensor does, so a sharded checkpoint is a DTensor one: 1001 rows over 4 ranks are
+251, 251, 251, 248. They are allowed only where ONE mesh axis splits the dim (nested
+blocks of blocks would not line up with per-axis gathers) and every rank keeps at least
+one element (6 over 4 would leave the last rank none). Collectives pad each block to
+ceil(n / k) (autopar/runtime/collectives.py); the cost model prices that largest block,
+which sets the step time, so `local_shape` is the largest block and `local_shape_at` the
+one a given rank holds.
 """
 
 from __future__ import annotations
@@ -132,28 +142,54 @@ class Spec:
     def local_nbytes(self, mesh_shape: tuple[int, ...]) -> int:
         return prod(self.local_shape(mesh_shape)) * self.meta.dtype.itemsize
 
-    def fits(self, mesh_shape: tuple[int, ...]) -> bool:
-        """True when every sharded dim divides evenly over the axes that split it."""
+    def local_shape_at(self, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[int, ...]:
+        """The block the rank at `coords` holds (shorter than local_shape on a short last block)."""
+        return tuple(s.stop - s.start for s in block_index(self, mesh_shape, coords))
+
+    def fits(self, mesh_shape: tuple[int, ...], uneven: bool = False) -> bool:
+        """True when every sharded dim divides evenly over the axes that split it, or,
+        with `uneven`, is split by one axis into chunks that leave no rank empty."""
         if len(self.placements) != len(mesh_shape):
             return False
         shape = self.meta.shape
         ways: dict[int, int] = {}  # sharded dim -> the ranks that split it
+        axes: dict[int, int] = {}  # sharded dim -> how many mesh axes (of size > 1) split it
         for a, p in enumerate(self.placements):
             if type(p) is Shard:
                 if not 0 <= p.dim < len(shape):
                     return False
                 ways[p.dim] = ways.get(p.dim, 1) * mesh_shape[a]
-        return all(w <= 1 or (shape[d] % w == 0 and shape[d] >= w) for d, w in ways.items())
+                axes[p.dim] = axes.get(p.dim, 0) + (mesh_shape[a] > 1)
+        return all(w <= 1 or (shape[d] % w == 0 and shape[d] >= w)
+                   or (uneven and axes[d] == 1 and no_empty_block(shape[d], w)) for d, w in ways.items())
+
+    def uneven_axes(self, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Mesh axes whose shard of this tensor has a short last block."""
+        return tuple(a for a, p in enumerate(self.placements)
+                     if type(p) is Shard and self.meta.shape[p.dim] % mesh_shape[a] != 0)
 
 
 def local_shape(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]
                 ) -> tuple[int, ...]:
-    """The shape each rank holds of a tensor of global `shape` under `placements`."""
+    """The shape each rank holds of a tensor of global `shape` under `placements`; for an
+    uneven shard, the largest block (what memory and time are priced at)."""
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
-            out[p.dim] //= mesh_shape[axis]
+            out[p.dim] = -(-out[p.dim] // mesh_shape[axis])
     return tuple(out)
+
+
+def chunk_sizes(n: int, k: int) -> tuple[int, ...]:
+    """Block sizes of torch.chunk(n elements, k) padded to k blocks (0 where chunk gives fewer):
+    chunk_sizes(1001, 4) == (251, 251, 251, 248), chunk_sizes(6, 4) == (2, 2, 2, 0)."""
+    step = -(-n // k)
+    return tuple(max(0, min(step, n - i * step)) for i in range(k))
+
+
+def no_empty_block(n: int, k: int) -> bool:
+    """True when every one of k ranks holds at least one of n elements under chunking."""
+    return n >= k and (k - 1) * -(-n // k) < n
 
 
 def replicated(meta: TensorMeta, mesh_ndim: int) -> Spec:
@@ -169,8 +205,8 @@ def block_index(spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]
         for a in spec.shard_axes(d):  # outermost first
             chunk = chunk * mesh_shape[a] + coords[a]
             ways *= mesh_shape[a]
-        step = size // ways
-        index.append(slice(chunk * step, (chunk + 1) * step))
+        step = -(-size // ways)  # torch.chunk's block: the last ones may be short
+        index.append(slice(min(chunk * step, size), min((chunk + 1) * step, size)))
     return tuple(index)
 
 

@@ -21,6 +21,16 @@ asynchronous step are autograd functions whose backward runs the conjugate the s
 way round: the wait's backward launches it, the start's backward finishes it, so the
 backward work between them overlaps it too.
 
+Uneven shards (torch.chunk blocks, autopar/core/placement.py: only the last block is
+short) use the same tensor collectives on blocks padded to the largest, ceil(n / k):
+
+    all_gather      pad my block to ceil(n/k), gather, drop the tail beyond n
+    reduce_scatter  pad the whole to k * ceil(n/k), reduce-scatter, trim my block
+    all_to_all      pad both dims so, exchange equal pieces, trim both
+
+so every rank moves the same padded bytes (what the cost model prices). A Move carries
+the global sizes of its dims (read off the step's layout); an even split skips padding.
+
 Nothing here decides what to run: the Plan's steps do; `step_runner` is what the
 StepModules of an emitted program (passes/program.py) are bound to.
 """
@@ -34,6 +44,7 @@ import torch
 
 from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
+from autopar.core.placement import chunk_sizes
 from autopar.core.resharding import Step
 
 _C10D = torch.ops._c10d_functional
@@ -57,6 +68,27 @@ class Move:
     dim: Optional[int] = None
     to_dim: Optional[int] = None
     reduce: str = "sum"
+    size: Optional[int] = None  # global size of `dim` (None: unknown, taken as even)
+    to_size: Optional[int] = None  # global size of `to_dim`
+
+
+def _short(size: Optional[int], n: int) -> bool:
+    """A dim of `size` chunked n ways has a short last block."""
+    return size is not None and size % n != 0
+
+
+def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """x grown to `length` along dim with zeros at the end."""
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _block(size: int, n: int) -> int:
+    return -(-size // n)
 
 
 # ---- 1. moves: launch (issue) and finish (wait, lay out) -------------------------------
@@ -74,10 +106,18 @@ def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     if kind is StepKind.ALL_REDUCE:
         return _C10D.all_reduce(x.contiguous(), "max" if move.reduce == "max" else "sum", comm.name)
     if kind is StepKind.ALL_GATHER:
+        if _short(move.size, n):
+            x = _pad(x, move.dim, _block(move.size, n))
         return _C10D.all_gather_into_tensor(x.contiguous(), n, comm.name)
     if kind is StepKind.REDUCE_SCATTER:
+        if _short(move.size, n):
+            x = _pad(x, move.dim, n * _block(move.size, n))
         return _C10D.reduce_scatter_tensor(x.movedim(move.dim, 0).contiguous(), "sum", n, comm.name)
     if kind is StepKind.ALL_TO_ALL:  # send chunk i of to_dim to rank i
+        if _short(move.size, n):
+            x = _pad(x, move.dim, _block(move.size, n))
+        if _short(move.to_size, n):
+            x = _pad(x, move.to_dim, n * _block(move.to_size, n))
         moved = x.movedim(move.to_dim, 0).contiguous()
         splits = [moved.shape[0] // n] * n
         return _C10D.all_to_all_single(moved, splits, splits, comm.name)
@@ -92,6 +132,21 @@ def finish(move: Move, started: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     y = _C10D.wait_tensor(started)
     if kind is StepKind.ALL_REDUCE:
         return y / n if move.reduce == "avg" else y
+    out = _laid_out(move, y, n)
+    # drop padding: a gathered dim keeps its first `size` (only the last block is short),
+    # a scattered one this rank's block
+    if kind in (StepKind.ALL_GATHER, StepKind.ALL_TO_ALL) and _short(move.size, n):
+        out = out.narrow(move.dim, 0, move.size)
+    if kind is StepKind.REDUCE_SCATTER and _short(move.size, n):
+        out = out.narrow(move.dim, 0, chunk_sizes(move.size, n)[comm.coord])
+    if kind is StepKind.ALL_TO_ALL and _short(move.to_size, n):
+        out = out.narrow(move.to_dim, 0, chunk_sizes(move.to_size, n)[comm.coord])
+    return out
+
+
+def _laid_out(move: Move, y: torch.Tensor, n: int) -> torch.Tensor:
+    """A finished collective's tensor in the layout of the move's result (padded blocks kept)."""
+    kind = move.kind
     if kind is StepKind.ALL_GATHER:  # gathered along dim 0: blocks of the input's shape, one per rank
         if move.dim == 0:
             return y
@@ -114,23 +169,33 @@ def all_reduce(x: torch.Tensor, comm: AxisComm, reduce: str = "sum") -> torch.Te
     return move(Move(StepKind.ALL_REDUCE, reduce=reduce), x, comm)
 
 
-def all_gather(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
-    return move(Move(StepKind.ALL_GATHER, dim), x, comm)
+def all_gather(x: torch.Tensor, dim: int, comm: AxisComm, size: Optional[int] = None) -> torch.Tensor:
+    """`size`: the gathered dim's global size, where the blocks may be uneven."""
+    return move(Move(StepKind.ALL_GATHER, dim, size=size), x, comm)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
-    return move(Move(StepKind.REDUCE_SCATTER, dim), x, comm)
+    return move(Move(StepKind.REDUCE_SCATTER, dim, size=x.shape[dim]), x, comm)
 
 
-def all_to_all(x: torch.Tensor, dim: int, to_dim: int, comm: AxisComm) -> torch.Tensor:
-    """x is split along `dim` across the axis; return it split along `to_dim` instead."""
-    return move(Move(StepKind.ALL_TO_ALL, dim, to_dim), x, comm)
+def all_to_all(x: torch.Tensor, dim: int, to_dim: int, comm: AxisComm, size: Optional[int] = None) -> torch.Tensor:
+    """x is split along `dim` (of global `size`, where the blocks may be uneven) across the
+    axis; return it split along `to_dim` instead."""
+    return move(Move(StepKind.ALL_TO_ALL, dim, to_dim, size=size, to_size=x.shape[to_dim]), x, comm)
 
 
 # ---- 2. a step's two directions ----------------------------------------------------------
 
+def _global_size(step: Step, dim: Optional[int]) -> Optional[int]:
+    """The global size of a tensor dim the step moves (None where the step does not say)."""
+    if dim is None or step.before is None:
+        return None
+    return step.before.meta.shape[dim]
+
+
 def forward_move(step: Step) -> Move:
-    return Move(step.kind, step.dim, step.to_dim, step.reduce)
+    return Move(step.kind, step.dim, step.to_dim, step.reduce, _global_size(step, step.dim),
+                _global_size(step, step.to_dim))
 
 
 def backward_move(step: Step) -> Move:
@@ -138,10 +203,11 @@ def backward_move(step: Step) -> Move:
     backwards are local and handled by the autograd functions."""
     back = step.backward
     if back is StepKind.ALL_TO_ALL:
-        return Move(back, step.to_dim, step.dim)
+        return Move(back, step.to_dim, step.dim, size=_global_size(step, step.to_dim),
+                    to_size=_global_size(step, step.dim))
     if back is StepKind.ALL_REDUCE:
         return Move(back)
-    return Move(back, step.dim)
+    return Move(back, step.dim, size=_global_size(step, step.dim))
 
 
 def reduces(m: Move) -> bool:

@@ -69,12 +69,14 @@ def clip_grad_norm_(pm: "ShardedModel", max_norm: float, norm_type: float = 2.0)
 
 
 def gather_full(local: torch.Tensor, spec: Spec, pm: "ShardedModel") -> torch.Tensor:
-    """The whole tensor from this rank's block (inner mesh axes first)."""
+    """The whole tensor from this rank's block (inner mesh axes first). An uneven shard
+    (one axis only, autopar/core/placement.py) is gathered at its global size."""
     out = local
     for axis in reversed(range(len(spec.placements))):
         p = spec.placements[axis]
         if isinstance(p, Shard):
-            out = all_gather(out, p.dim, pm.comms[axis])
+            alone = spec.shard_axes(p.dim) == (axis,)
+            out = all_gather(out, p.dim, pm.comms[axis], spec.meta.shape[p.dim] if alone else None)
         elif isinstance(p, Partial):
             out = all_reduce(out, pm.comms[axis], p.reduce)
     return out
@@ -139,7 +141,7 @@ def sharded_state_dict(pm: "ShardedModel") -> dict[str, Any]:
     out = {}
     for name, spec in pm.state_specs.items():
         t = pm.state_tensors[name]
-        local_shape = spec.local_shape(pm.mesh.shape)
+        local_shape = spec.local_shape_at(pm.mesh.shape, pm.coords)
         if tuple(t.shape) != local_shape:  # compiled on meta: give the loader real memory to fill
             t.data = torch.empty(local_shape, dtype=t.dtype, device=pm.device)
         out[name] = as_dtensor(t.detach(), spec, pm.device_mesh)

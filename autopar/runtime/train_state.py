@@ -133,7 +133,7 @@ def _optimizer_target(pm: ShardedModel, key: str, md: Any, path: str) -> Any:
     if tuple(md.size) != tuple(spec.meta.shape):
         raise CheckpointError(f"checkpoint {path}: optimiser state {state!r} of {name} has shape {tuple(md.size)}, "
                               f"the parameter's is {spec.meta.shape}", path)
-    local = torch.zeros(spec.local_shape(pm.mesh.shape), dtype=dtype, device=pm.device)
+    local = torch.zeros(spec.local_shape_at(pm.mesh.shape, pm.coords), dtype=dtype, device=pm.device)
     return as_dtensor(local, spec, pm.device_mesh)
 
 

@@ -2,7 +2,13 @@
 
 A rule is a small pure function of one op call that lists how the op may run on ONE
 mesh axis: a placement for each tensor input and each tensor output. `expand` takes
-the product over the mesh axes and keeps the combinations whose shards divide evenly.
+the product over the mesh axes and keeps the combinations whose shards divide evenly,
+or, asked to, also those with uneven shards (torch.chunk blocks, autopar/core/placement.py)
+where that is still exact: on an axis with a short last block every sharded dim of the
+op has the same size (so every tensor is cut at the same places: an elementwise op, a
+matmul's batch, free or contracted dim, a view that keeps the dim whole; not a view
+that merges it with another, whose chunks fall elsewhere) and no output is an average
+(a mean of unequal blocks' means is not the mean).
 
     @register(aten.mm.default)
     def mm(call: OpCall) -> list[AxisRule]:
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterable, Optional
 
-from autopar.core.placement import Placement, R, Spec, TensorMeta
+from autopar.core.placement import Partial, Placement, R, Shard, Spec, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,10 @@ def replicate_rule(call: OpCall) -> list[AxisRule]:
     return [AxisRule((R,) * len(call.inputs), (R,) * len(call.outputs))]
 
 
-def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    """Product of per-axis rules over the mesh; drops uneven shards; keeps first-seen order."""
+def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...], uneven: bool = False
+           ) -> list[Strategy]:
+    """Product of per-axis rules over the mesh; keeps first-seen order. Drops uneven
+    shards unless `uneven`, and then keeps only those `uneven_exact` allows."""
     rules = list(dict.fromkeys(rules))
     replicated = [r for r in rules if all(p == R for p in r.inputs + r.outputs)] or rules
     # a mesh axis of size 1 holds everything whole: R is the only distinct layout there
@@ -107,6 +115,19 @@ def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...])
     for combo in product(*per_axis):
         ins = tuple(Spec(tuple(r.inputs[i] for r in combo), m) for i, m in enumerate(call.inputs))
         outs = tuple(Spec(tuple(r.outputs[i] for r in combo), m) for i, m in enumerate(call.outputs))
-        if all(s.fits(mesh_shape) for s in ins + outs):
+        if all(s.fits(mesh_shape) for s in ins + outs) or (
+                uneven and all(s.fits(mesh_shape, uneven=True) for s in ins + outs)
+                and uneven_exact(ins + outs, mesh_shape)):
             out[Strategy(ins, outs)] = None
     return list(out)
+
+
+def uneven_exact(specs: tuple[Spec, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """On every axis that cuts some tensor unevenly, all the op's sharded dims on that
+    axis have one size and none of its values is an average (see the module docstring)."""
+    for a in sorted({a for s in specs for a in s.uneven_axes(mesh_shape)}):
+        placed = [(s.placements[a], s.meta) for s in specs]
+        sizes = {m.shape[p.dim] for p, m in placed if type(p) is Shard}
+        if len(sizes) > 1 or any(p == Partial("avg") for p, _ in placed):
+            return False
+    return True

@@ -1,0 +1,272 @@
+"""Uneven shards (issue #15): a dim of n on an axis of k that does not divide is cut as
+torch.chunk cuts it (blocks of ceil(n / k), the last one short), and every program of
+such a plan matches the single-device model.
+
+1. Block sizes, fits, local shapes and block indices (pure).
+2. Which rules keep uneven shards: same-size dims yes; a view that merges the dim, and
+   a mean (P(avg)), no.
+3. In the mesh simulator: batch 3 on a 2-way axis, a vocabulary of 1001 on 4 ranks
+   (GPT-2, Llama), with every node preferring an uneven strategy where it has one;
+   outputs and every gradient. The solver picks uneven splits where no even one exists.
+4. On real gloo ranks (one spawn): the padded collectives, a compiled uneven plan
+   (outputs and gradients), full_state_dict, load_full_state_dict, safetensors and DCP
+   round trips with uneven parameter shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.placement import (Partial, R, Shard, Spec, TensorMeta, block_index, chunk_sizes, local_chunk,
+                                   no_empty_block, parse_placements)
+from autopar.passes.planning import plan_annotated
+from autopar.passes.rules import expand, rule_for
+from autopar.passes.simulate import op_call_of, run_sharded
+from autopar.passes.strategies import AnnotatedGraph, annotate
+from autopar.passes.trace import trace
+from autopar.tools import zoo
+from autopar.tools.simulated import CHEAP_COMM, loss_of, simulate_against
+from tests.harness import run_ranks
+
+aten = torch.ops.aten
+F32 = torch.float32
+
+
+# ---- 1. blocks -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k,sizes", [(8, 4, (2, 2, 2, 2)), (3, 2, (2, 1)), (1001, 4, (251, 251, 251, 248)),
+                                       (6, 4, (2, 2, 2, 0)), (50257, 8, (6283,) * 7 + (6276,))])
+def test_chunk_sizes_follow_torch_chunk(n, k, sizes):
+    assert chunk_sizes(n, k) == sizes
+    got = [c.shape[0] for c in torch.empty(n).chunk(k)]
+    assert tuple(got + [0] * (k - len(got))) == sizes
+    assert no_empty_block(n, k) == (0 not in sizes)
+
+
+def test_fits_allows_one_uneven_axis_without_empty_blocks():
+    def spec(placements, shape):
+        return Spec(placements, TensorMeta(shape, F32))
+    assert not spec((Shard(0),), (3, 4)).fits((2,))
+    assert spec((Shard(0),), (3, 4)).fits((2,), uneven=True)
+    assert not spec((Shard(0),), (6, 4)).fits((4,), uneven=True)  # the last rank would hold nothing
+    assert not spec((Shard(0), Shard(0)), (6, 4)).fits((2, 2), uneven=True)  # two axes on an uneven dim
+    assert spec((Shard(0), Shard(0)), (8, 4)).fits((2, 2), uneven=True)  # even nesting as before
+    s = spec((R, Shard(1)), (4, 1001))
+    assert s.local_shape((2, 4)) == (4, 251)  # priced at the largest block
+    assert [s.local_shape_at((2, 4), (0, c)) for c in range(4)] == [(4, 251)] * 3 + [(4, 248)]
+    full = torch.arange(4 * 1001).view(4, 1001)
+    for c in range(4):
+        assert torch.equal(full[block_index(s, (2, 4), (1, c))], local_chunk(full, s, (2, 4), (1, c)))
+
+
+# ---- 2. rules --------------------------------------------------------------------------
+
+def _strategies(target, args, mesh=(2,)):
+    call, _ = op_call_of(target, args, {})
+    return call, expand(rule_for(target)(call), call, mesh, uneven=True)
+
+
+def test_uneven_kept_where_exact_and_refused_where_not():
+    x = torch.randn(3, 8, 5)
+    _, views = _strategies(aten.view.default, (x, [24, 5]))
+    assert [str(s) for s in views if str(s.inputs[0]) == "S(0)"] == []  # 3 rows merged into 24: chunks differ
+    assert any(str(s.inputs[0]) == "S(2)" for s in views)  # the 5 columns survive whole
+    _, means = _strategies(aten.mean.dim, (x, [0]))
+    assert "(S(0))->P(avg)" not in {str(s) for s in means}  # the mean of unequal blocks' means is not the mean
+    assert Partial("avg") in {s.outputs[0].placements[0] for s in means}  # an average input still passes
+    _, sums = _strategies(aten.sum.dim_IntList, (x, [0]))
+    assert any(str(s) == "(S(0))->P" for s in sums)
+    call, mms = _strategies(aten.mm.default, (torch.randn(3, 5), torch.randn(5, 7)))
+    uneven = [s for s in mms if any(sp.uneven_axes((2,)) for sp in s.inputs + s.outputs)]
+    assert {str(s) for s in uneven} == {"(S(0),R)->S(0)", "(S(1),S(0))->P", "(R,S(1))->S(1)"}
+    for s in uneven:  # each computes the op, shard by shard
+        a, b = torch.randn(3, 5), torch.randn(5, 7)
+        torch.testing.assert_close(run_sharded(aten.mm.default, (a, b), {}, s, (2,))[0], a @ b)
+
+
+# ---- 3. simulator ----------------------------------------------------------------------
+
+class OddMLP(torch.nn.Module):
+    """No dim of it divides by 2: only uneven splits can shard it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(7, 5), torch.nn.Linear(5, 9)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def is_uneven(spec: Spec, mesh_shape: tuple[int, ...]) -> bool:
+    return bool(spec.uneven_axes(mesh_shape))
+
+
+def is_batch3(spec: Spec, mesh_shape: tuple[int, ...]) -> bool:
+    return spec.meta.shape[:1] == (3,) and spec.placements[0] == Shard(0)
+
+
+def prefer(graph: AnnotatedGraph, want=is_uneven) -> AnnotatedGraph:
+    """Every node keeps only its strategies with a spec `want` likes, where it has any."""
+    shape = graph.mesh.shape
+
+    def keep(node):
+        liked = tuple(s for s in node.strategies if any(want(sp, shape) for sp in s.inputs + s.outputs))
+        return dataclasses.replace(node, strategies=liked or node.strategies)
+    nodes = tuple(keep(n) for n in graph.nodes)
+    return AnnotatedGraph(graph.traced, graph.mesh, nodes, graph.unruled_ops, graph.discovered_ops,
+                          {n.name: n for n in nodes})
+
+
+def uneven_plan(model, args, kwargs, mesh, want=is_uneven):
+    """The plan with nearly free communication, every node preferring `want` (None: the solver's own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(model, args, kwargs)
+        graph = annotate(traced, Mesh(mesh))
+        plan = plan_annotated(prefer(graph, want) if want else graph, Options(device=CHEAP_COMM))
+    return traced, plan
+
+
+def uneven_nodes(plan) -> list[str]:
+    return [n.name for n in plan.nodes if any(s.uneven_axes(plan.mesh.shape) for s in n.inputs + n.outputs)]
+
+
+def odd_mlp():
+    torch.manual_seed(0)
+    return OddMLP(), (torch.randn(3, 7),), {}
+
+
+def gpt2_vocab(vocab: int = 1001, batch: int = 2):
+    return zoo.build("gpt2-tiny", batch=batch, seq=8, training=True, vocab_size=vocab)
+
+
+CASES = {  # name: (build, mesh, which strategies each node prefers)
+    "batch3-mlp-2": (odd_mlp, (2,), is_batch3),
+    "odd-mlp-2": (odd_mlp, (2,), is_uneven),
+    "gpt2-vocab1001-4": (gpt2_vocab, (4,), is_uneven),
+    "llama-vocab1001-4": (lambda: zoo.build("llama-tiny", batch=2, seq=8, training=True, vocab_size=1001), (4,),
+                          is_uneven),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_uneven_plan_matches_single_device_in_simulation(name):
+    build, mesh, want = CASES[name]
+    model, args, kwargs = build()
+    traced, plan = uneven_plan(model, args, kwargs, mesh, want)
+    assert uneven_nodes(plan), f"{name}: no uneven shard in the plan"
+    if want is is_batch3:
+        assert all(str(n.outputs[0]) == "S(0)" for n in plan.nodes if n.name in ("input_0", "linear", "relu"))
+    if "vocab" in name:  # the vocabulary itself is split: embedding rows, LM head rows or logits
+        assert any(s.uneven_axes(mesh) and 1001 in s.meta.shape for n in plan.nodes for s in n.inputs + n.outputs)
+    compared = simulate_against(model, args, kwargs, traced, plan, context=f"{name} on {mesh}")
+    assert compared > 0
+
+
+def test_solver_splits_unevenly_where_no_even_split_exists():
+    model, args, kwargs = odd_mlp()
+    traced, plan = uneven_plan(model, args, kwargs, (2,), want=None)
+    assert uneven_nodes(plan), "the solver left a model with only uneven splits replicated"
+    simulate_against(model, args, kwargs, traced, plan, context="odd MLP, solver's plan")
+
+
+# ---- 4. gloo ranks -----------------------------------------------------------------------
+
+def padded_collectives(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from autopar.runtime.collectives import AxisComm, all_gather, all_to_all, reduce_scatter
+    group = dist.group.WORLD
+    comm = AxisComm(group, world, rank, group.group_name)
+    full = torch.arange(5 * 3, dtype=F32).view(5, 3)
+    mine = full.chunk(world, dim=0)[rank]
+    gathered = all_gather(mine.t().contiguous(), 1, comm, size=5)  # a dim-1 gather of 3, 2 columns
+    scattered = reduce_scatter(full * (rank + 1), 0, comm)  # rows 3 and 2 of the sum
+    moved = all_to_all(mine, 0, 1, comm, size=5)  # rows 3/2 -> columns 2/1
+    return {"gathered": gathered, "scattered": scattered, "moved": moved}
+
+
+def compiled_uneven(rank: int, world: int, which: str) -> dict:
+    import autopar
+    from autopar.runtime.state import full_state_dict
+    build, _, want = CASES[which]
+    model, args, kwargs = build()
+    _, plan = uneven_plan(model, args, kwargs, (world,), want)
+    pm = autopar.compile(model, args, kwargs, mesh=(world,), plan=plan)
+    out = pm(*args, **kwargs)
+    loss_of(out).backward()
+    grads = {n: (t.grad.clone(), str(pm.state_specs[n])) for n, t in pm.state_tensors.items()
+             if isinstance(t, torch.nn.Parameter) and t.grad is not None}
+    result = {"out": out if isinstance(out, torch.Tensor) else out.logits.detach(), "grads": grads,
+              "uneven": uneven_nodes(plan), "coords": pm.coords}
+    result["full"] = full_state_dict(pm)
+    if which == "odd-mlp-2":
+        result.update(_state_round_trips(pm, rank))
+    return result
+
+
+def _state_round_trips(pm, rank: int) -> dict:
+    """load_full_state_dict, safetensors and DCP with the uneven parameter shards."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from autopar.runtime.state import full_state_dict
+    shifted = {k: v + 1 for k, v in full_state_dict(pm).items()}
+    pm.load_full_state_dict(shifted)
+    after_load = full_state_dict(pm)
+    tmp = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(tmp)
+    path = os.path.join(tmp[0], "m.safetensors")
+    if rank == 0:
+        save_file({k: v * 2 for k, v in shifted.items()}, path)
+    dist.barrier()
+    pm.load_safetensors(path)
+    after_safetensors = full_state_dict(pm)
+    pm.save_checkpoint(os.path.join(tmp[0], "ckpt"))
+    pm.load_full_state_dict({k: torch.zeros_like(v) for k, v in shifted.items()})
+    pm.load_checkpoint(os.path.join(tmp[0], "ckpt"))
+    return {"shifted": shifted, "after_load": after_load, "after_safetensors": after_safetensors,
+            "after_dcp": full_state_dict(pm), "specs": {k: str(s) for k, s in pm.state_specs.items()}}
+
+
+def _reference(which: str):
+    build, _, _ = CASES[which]
+    model, args, kwargs = build()
+    out = model(*args, **kwargs)
+    loss_of(out).backward()
+    return model, (out if isinstance(out, torch.Tensor) else out.logits).detach()
+
+
+@pytest.mark.slow
+def test_uneven_shards_on_gloo_ranks():
+    world = 2
+    results = run_ranks(world, [(padded_collectives, {}), (compiled_uneven, {"which": "batch3-mlp-2"}),
+                                (compiled_uneven, {"which": "odd-mlp-2"}),
+                                (compiled_uneven, {"which": "gpt2-vocab1001-4"})])
+    full = torch.arange(5 * 3, dtype=F32).view(5, 3)
+    for rank, (coll, batch3, mlp, gpt) in enumerate(results):
+        torch.testing.assert_close(coll["gathered"], full.t())
+        torch.testing.assert_close(coll["scattered"], (full * 3).chunk(world)[rank])
+        torch.testing.assert_close(coll["moved"], full.chunk(world, dim=1)[rank])
+        for which, got in (("batch3-mlp-2", batch3), ("odd-mlp-2", mlp), ("gpt2-vocab1001-4", gpt)):
+            assert got["uneven"], f"{which}: the plan has no uneven shard"
+            model, want = _reference(which)
+            torch.testing.assert_close(got["out"], want, msg=f"{which} rank {rank} output")
+            params = dict(model.named_parameters(remove_duplicate=False))
+            for name, (grad, spec) in got["grads"].items():
+                s = Spec(parse_placements(spec), TensorMeta(tuple(params[name].shape), F32))
+                want_grad = local_chunk(params[name].grad, s, (world,), got["coords"])
+                torch.testing.assert_close(grad, want_grad, msg=f"{which} rank {rank} gradient of {name} ({spec})")
+            for k, v in model.state_dict().items():
+                torch.testing.assert_close(got["full"][k], v, msg=f"{which} full_state_dict {k}")
+        assert any(s != "R" for s in mlp["specs"].values()), mlp["specs"]
+        for k, v in mlp["shifted"].items():
+            torch.testing.assert_close(mlp["after_load"][k], v)
+            torch.testing.assert_close(mlp["after_safetensors"][k], v * 2)
+            torch.testing.assert_close(mlp["after_dcp"][k], v * 2)
