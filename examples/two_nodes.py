@@ -65,7 +65,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     if args.calibrate:  # each axis timed on this rank's own group of it: its own alpha and beta
         fits = calibrate(pm.comms, torch.device("cpu"), sizes=[4 << 10, 64 << 10], repeats=2,
                          kinds=pm.mesh.link_kinds(args.nodes))
-        mine["calibrated"] = {k: {"ranks": f["ranks"], "link": f["link"], "alpha_s": f["alpha_s"]} for k, f in fits.items()}
+        mine["calibrated"] = {k: {"ranks": f["ranks"], "link": f["link"], "alpha_s": f["alpha_s"]}
+                              for k, f in fits.items()}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:

@@ -125,6 +125,14 @@ def test_plan_links_survive_json(gpt2_two_nodes, tmp_path):
     assert Plan.from_dict(stored).links == ()
 
 
+def test_the_pictures_name_each_axis_link(gpt2_two_nodes):
+    from autopar.tools.visualize import mesh_label, tensor_blocks
+    plan = gpt2_two_nodes["inter slow"]
+    assert mesh_label(plan) == "(2, 4) [axis 0 inter-node slow, axis 1 intra-node fast]"
+    fig = tensor_blocks(plan, ["p_transformer_h_0_attn_c_attn_weight"])
+    assert "axis 0 inter-node slow" in fig._suptitle.get_text()
+
+
 def test_a_calibration_is_applied_only_to_axes_of_its_kind():
     fit = {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9, "residual": 0.0}
     profile = Profile("cpu", comm={"0:all_reduce": {**fit, "ranks": 2, "link": "intra"},  # measured on one node

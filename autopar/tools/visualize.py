@@ -35,6 +35,16 @@ def layer_of(module: str) -> str:
     return m.group(1) if m else (module.split(".")[0] if module else "(top)")
 
 
+def mesh_label(plan: Plan) -> str:
+    """The mesh shape with the link each axis was priced with (Plan.links), e.g.
+    "(2, 4) [axis 0 inter-node ib-400g, axis 1 intra-node nvlink4]": on a picture of a plan
+    for several nodes, which axis crosses them is what explains its placements."""
+    if not plan.links:
+        return str(plan.mesh.shape)
+    axes = ", ".join(f"axis {a} {x.kind.value}-node {x.link.name}".rstrip() for a, x in enumerate(plan.links))
+    return f"{plan.mesh.shape} [{axes}]"
+
+
 def _block(spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[float, float, float, float]:
     """(row0, row1, col0, col1) fractions of the tensor seen as [dim 0, the rest] that
     the device at `coords` holds."""
@@ -84,7 +94,7 @@ def tensor_blocks(plan: Plan, names: Optional[Sequence[str]] = None):
                 ax.set_title(f"rank {r}\n{coords}", fontsize=7)
         axes[i][0].set_ylabel(f"{name}\n{spec} {list(spec.meta.shape)}", fontsize=7, rotation=0, ha="right",
                               va="center")
-    fig.suptitle(f"{plan.model_name} on mesh {mesh.shape}: which block each device holds", fontsize=9)
+    fig.suptitle(f"{plan.model_name} on mesh {mesh_label(plan)}: which block each device holds", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -120,7 +130,7 @@ def graph_figure(plan: Plan, max_nodes: int = 400):
         ax.scatter([], [], color=colour[p], label=p, s=20)
     ax.plot([], [], color="red", lw=2, label="collective")
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="output placement", title_fontsize=7)
-    ax.set_title(f"{plan.model_name} on mesh {plan.mesh.shape}: {len(comm_edges)} edges with collectives",
+    ax.set_title(f"{plan.model_name} on mesh {mesh_label(plan)}: {len(comm_edges)} edges with collectives",
                  fontsize=9)
     ax.axis("off")
     fig.tight_layout()
