@@ -52,3 +52,10 @@ def backend_compiler_failed() -> type:
 def queue_backward_callback(fn: Any) -> None:
     """Run fn once the current backward pass has finished (the hook DDP's reducer uses)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def dispatch_mode() -> type:
+    """torch's TorchDispatchMode (a private module): the base of a mode that sees every
+    op's inputs and outputs (autopar/tools/memory_meter.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    return TorchDispatchMode

@@ -4,16 +4,21 @@ cost model of your choice, priced exactly as the solver prices its own candidate
     evaluate(plan)                    the preset the plan was made for
     evaluate(plan, device="h100")     the same layouts on other hardware
     evaluate(plan, cost_model=costs)  a CostModel built from a measured profile
+
+Blocks the plan recomputes (Plan.recompute) are priced as the solver prices them
+(passes/recompute_ilp.py): their forward once more, and none of the bytes of their
+outputs read only inside the block (recompute_terms).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
 
 import torch
 
 from autopar.core.plan import Plan
+from autopar.core.plan_parts import EdgePlan, NodeChoice, RecomputedBlock
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
 
@@ -57,4 +62,29 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
             compute_s += costs.op_cost(target, n.inputs, n.outputs).compute_s
         memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes)
     comm_s = sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
-    return Evaluation(compute_s, comm_s, memory)
+    again = recompute_terms(plan.nodes, plan.edges, plan.recompute, costs)
+    return Evaluation(compute_s + again.compute_s, comm_s + again.comm_s, memory + again.memory_bytes)
+
+
+def recompute_terms(nodes: Sequence[NodeChoice], edges: Sequence[EdgePlan], blocks: Sequence[RecomputedBlock],
+                    costs: CostModel) -> Evaluation:
+    """What recomputing `blocks` changes in a step: each block's forward runs once more
+    (its ops' forward compute, the forward steps of the reshards into its nodes: they
+    rerun in backward) and the bytes of its outputs read only inside it are not kept
+    (memory_bytes: minus those bytes). An output read outside its block stays."""
+    forward = replace(costs, training=False)
+    by_name = {n.name: n for n in nodes}
+    compute_s = comm_s = 0.0
+    dropped = 0
+    for block in blocks:
+        inside = set(block.nodes)
+        read_outside = {e.producer for e in edges if e.producer in inside and e.consumer not in inside}
+        for name in block.nodes:
+            n = by_name[name]
+            target = op_target(n.op, name) if n.kind.computes else None
+            if target is not None:
+                compute_s += forward.op_cost(target, n.inputs, n.outputs).compute_s
+            if name not in read_outside:
+                dropped += node_bytes(n.kind, target, n.outputs, costs.mesh_shape, costs.training, 0)
+        comm_s += sum(forward.steps_cost(e.steps).total_s for e in edges if e.consumer in inside)
+    return Evaluation(compute_s, comm_s, -dropped)

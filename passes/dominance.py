@@ -38,11 +38,14 @@ from autopar.passes.ilp import IlpModel, edge_classes
 MAX_CELLS = 1 << 24  # compare at most this many profile entries at once (a few tens of MB)
 
 
-def prune_dominated(model: IlpModel, pricer: EdgePricer, with_memory: bool) -> IlpModel:
+def prune_dominated(model: IlpModel, pricer: EdgePricer, with_memory: bool,
+                    keep: frozenset[str] = frozenset()) -> IlpModel:
     """`model` with its dominated choices made impossible (module docstring); `with_memory`:
-    a choice must also need no more bytes to dominate."""
+    a choice must also need no more bytes to dominate. The groups in `keep` keep every
+    choice: their choices also price terms D(j,i) does not bound (recompute's forward
+    seconds and dropped bytes, passes/recompute_ilp.py)."""
     with _one_thread():
-        return _prune(model, pricer, with_memory)
+        return _prune(model, pricer, with_memory, keep)
 
 
 @contextmanager
@@ -58,13 +61,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool) -> IlpModel:
+def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool, keep: frozenset[str]) -> IlpModel:
     time_s, nbytes = _own_terms(model)
     edges = _by_group(_edge_tables(model, pricer))
     alive = {g: torch.tensor([c < INF for c in model.cost_s[g]]) for g in time_s}
     neighbours = {g: {t.consumer if produces else t.producer for t, produces in touching}
                   for g, touching in edges.items()}
-    todo = list(time_s)
+    todo = [g for g in time_s if g not in keep]
     while todo:
         # a group's verdict depends on its neighbours' live choices only (losing its own
         # beaten choices beats nothing new), so a round revisits the neighbours of the
@@ -73,7 +76,7 @@ def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool) -> IlpModel:
         changed = {g for g, choices in pruned.items() if choices}
         for g in changed:
             alive[g][pruned[g]] = False
-        todo = [g for g in time_s if any(h in changed for h in neighbours.get(g, ()))]
+        todo = [g for g in time_s if g not in keep and any(h in changed for h in neighbours.get(g, ()))]
     cost = {g: tuple(c if alive[model.owner(g)][i] else INF for i, c in enumerate(cs))
             for g, cs in model.cost_s.items()}
     return replace(model, cost_s=cost)
@@ -196,12 +199,13 @@ def _worst_difference(b: torch.Tensor) -> torch.Tensor:
 
 # ---- after the solve: among equally fast choices, the smaller footprint -------------
 
-def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> dict[str, int]:
+def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer,
+                   keep: frozenset[str] = frozenset()) -> dict[str, int]:
     """`picks` with each group, in turn, moved to the choice with the fewest bytes among
     those that cost no more time against its neighbours' picks (each move keeps the
     plan's time and lowers its footprint). Under a budget the solver sees memory only as
     a constraint, so which of two equally fast layouts it returns is arbitrary; this
-    makes it the smaller one."""
+    makes it the smaller one. Groups in `keep` (as prune_dominated's) stay as picked."""
     picks = dict(picks)
     touching: dict[str, list] = {}
     for edge in model.edges:
@@ -211,6 +215,8 @@ def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -
     for g in model.leaders:
         copies.setdefault(model.owner(g), []).append(g)
     for g, mine in copies.items():
+        if g in keep:
+            continue
         edges = list({id(e): e for e in touching.get(g, ())}.values())  # an edge between two copies once
         def local(i: int) -> tuple[float, int]:
             picks.update({h: i for h in mine})  # a trial, undone below unless it wins

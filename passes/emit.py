@@ -1,6 +1,10 @@
 """Stage 7: the program and the parameter shards of one rank.
 
-    Plan + TracedGraph + rank -> rewrite (stage 5) -> schedule (stage 6) -> RankProgram(gm, input order, specs)
+    Plan + TracedGraph + rank -> rewrite (stage 5) -> recomputed blocks -> schedule (stage 6)
+                              -> RankProgram(gm, input order, specs)
+
+The blocks the plan recomputes become checkpointed submodules (passes/recompute.py)
+before the schedule, which then orders the program and each block's body on its own.
 
 The program takes its inputs in the traced graph's placeholder order: parameters,
 buffers, constants, then the user's tensor leaves, each as this rank's block. It
@@ -21,6 +25,7 @@ from autopar.core.errors import FingerprintMismatchError
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
+from autopar.passes.recompute import bodies, checkpoint_blocks
 from autopar.passes.rewrite import rewrite
 from autopar.passes.schedule import DEFAULT_CAP_BYTES, schedule
 from autopar.passes.strategies import OUTPUT
@@ -46,8 +51,11 @@ def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optio
     (passes/schedule.py); None keeps each step where the rewrite put it."""
     check_fingerprint(plan, traced, "the plan")
     gm = rewrite(traced, plan, device, defer_grad_sync, coords)
+    if plan.recompute:
+        checkpoint_blocks(gm, plan)
     if inflight_cap_bytes is not None:
-        schedule(gm, plan.mesh.shape, inflight_cap_bytes)
+        for program in [gm, *bodies(gm)]:
+            schedule(program, plan.mesh.shape, inflight_cap_bytes)
     specs = tuple(plan.node(gi.name).outputs[0] for gi in traced.inputs)
     return RankProgram(gm, traced.inputs, specs, coords)
 

@@ -8,11 +8,19 @@ formulation, with followers and spec classes.
                   x[e,o,r] >= 0 with
                   sum_r x[e,o,r] = sum_{i in o} s[gu,i]               for every o
                   sum_o x[e,o,r] = sum_{j in r} s[gv,j]               for every r
-    memory        sum_g sum_i m[g,i] s[g,i] <= budget                 (Options.memory_budget_bytes)
-    objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r]
-    or            min sum_g sum_i m[g,i] s[g,i]                       (the smallest footprint)
+    recompute     training under a budget only: blocks b (repeated layers, passes/clusters.py),
+                  r[b] in {0,1}: b's activations are recomputed in backward, not kept
+                  A_b = sum_g sum_i a[b,g,i] s[g,i]       bytes of b's outputs read only inside b
+                  F_b = sum_g sum_i f[b,g,i] s[g,i] + sum_{e into b} sum_{o,r} F[e,o,r] x[e,o,r]
+                                                          b's forward once more: compute, reshards
+                  y[b] >= A_b - Amax_b r[b],  y[b] >= 0   (kept bytes: A_b, or 0 recomputed)
+                  z[b] >= F_b - Fmax_b (1 - r[b]), z[b] >= 0   (rerun time: F_b recomputed, else 0)
+                  r[b] >= r[b']                           b before b', twins (equal terms: symmetry)
+    memory        sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b]) <= budget   (Options.memory_budget_bytes)
+    objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r] + sum_b z[b]
+    or            min sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b])   (the smallest footprint)
 
-one_hot, edge_consistency and memory_budget add the constraint families, time_objective
+one_hot, edge_consistency, recompute and memory_budget add the constraint families, time_objective
 and memory_objective are the two objectives, and build_ilp puts one ILP together;
 ilp_model sums the coefficients per group and IlpVariables holds s and the x terms.
 
@@ -23,7 +31,15 @@ no variable, i.e. fixed at 0); m[g,i] the members' bytes per rank
 conjugates and gradient syncs) from class o to class r. An edge with one class on a
 side needs no x: its cost is a plain term on the other side's s. Unreachable pairs
 (e.g. S -> P) get no x, which forbids them. The memory-minimising objective prices
-the footprint a MemoryBudgetError reports.
+the footprint a MemoryBudgetError reports (every block recomputed, where that helps).
+
+Recompute: a[b,g,i] are the bytes m of g's members in b none of whose consumers is
+outside b (an output read outside b stays kept, as torch.utils.checkpoint keeps a
+region's inputs and outputs); f[b,g,i] their forward seconds (the training compute
+without its backward share) plus the forward steps of reshards inside g into b's nodes;
+F[e,o,r] the forward steps of R (passes/recompute_ilp.py prices them). y and z are exact
+linearisations of A_b (1 - r[b]) and F_b r[b]: y only bounds the budget row from above
+and z is minimised. Without a budget recompute only costs time, so no r is made.
 
 Clustering (passes/clusters.py): a group whose representative is another group reuses
 that group's s, and an edge whose two ends have the same representatives as an earlier
@@ -40,14 +56,10 @@ from typing import Callable, Mapping, Optional
 
 from autopar.core.errors import SolverError
 from autopar.cost_models.edge_prices import INF, DstKey, EdgePricer
+from autopar.passes.ilp_terms import MIB, US, LinearTerms, Variable, link_classes, merge_alike
+from autopar.passes.recompute_ilp import BlockTerms, RecomputeVariables, recompute
 from autopar.passes.solver_backend import LinearProgram
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
-
-US = 1e6  # the time objective is in microseconds, which keeps coefficients well scaled
-MIB = 2**20  # the memory objective is in MiB, for the same reason
-
-Variable = Optional[int]  # a column of the LinearProgram; None: a choice that is impossible, i.e. fixed at 0
-
 
 # ---- coefficients ------------------------------------------------------------------
 
@@ -85,6 +97,7 @@ class IlpModel:
     cost_s: Mapping[str, tuple[float, ...]]  # c[g,i] in seconds (INF: impossible)
     nbytes: Mapping[str, tuple[int, ...]]  # m[g,i] in bytes per rank
     edges: tuple[Edge, ...]  # the edges between groups, in graph order
+    blocks: tuple[BlockTerms, ...] = ()  # the recompute family's terms; () when recompute is off
 
     def owner(self, group: str) -> str:
         """The group whose s variables `group` uses: its representative, or itself."""
@@ -131,26 +144,6 @@ def _add_inner_reshard(cost: list[float], edge: Edge, graph: AnnotatedGraph, gro
 
 # ---- variables and linear terms ----------------------------------------------------
 
-class LinearTerms:
-    """sum_v a_v v + constant, accumulated per variable (column)."""
-
-    def __init__(self) -> None:
-        self.coef: dict[int, float] = {}
-        self.constant = 0.0
-
-    def add(self, var: Variable, c: float) -> None:
-        if var is None:
-            self.constant += c
-        elif c:
-            self.coef[var] = self.coef.get(var, 0.0) + c
-
-    def extend(self, other: LinearTerms) -> None:
-        self.constant += other.constant
-        for var, c in other.coef.items():
-            self.coef[var] = self.coef.get(var, 0.0) + c
-
-
-
 @dataclass(frozen=True)
 class IlpVariables:
     """The decision variables: s directly, x through the reshard terms that use them."""
@@ -159,6 +152,7 @@ class IlpVariables:
     reshard: tuple[LinearTerms, ...]  # sum_{o,r} R[e,o,r] x[e,o,r] (microseconds) per IlpModel.edges; twins share one
     count: int  # variables created (a shared variable counts once)
     groups: int  # groups with their own s (after following and clustering)
+    recompute: RecomputeVariables = RecomputeVariables()  # r, y, z per IlpModel.blocks
 
 
 @dataclass(frozen=True)
@@ -190,44 +184,75 @@ def one_hot(prob: LinearProgram, model: IlpModel) -> dict[str, tuple[Variable, .
 
 
 def memory_budget(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
-                  budget_bytes: int) -> None:
-    """sum_g sum_i m[g,i] s[g,i] <= budget (a copy's bytes count on its representative's s)."""
+                  budget_bytes: int, rec: RecomputeVariables = RecomputeVariables()) -> None:
+    """sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b]) <= budget (a copy's bytes count on
+    its representative's s; no blocks, no recompute terms)."""
+    prob.row(_memory_terms(model, s, rec).coef, -INF, float(budget_bytes))
+
+
+def _memory_terms(model: IlpModel, s: Mapping[str, tuple[Variable, ...]], rec: RecomputeVariables) -> LinearTerms:
+    """The bytes per rank, as the memory row and objective count them."""
     terms = LinearTerms()
     for g in model.leaders:
         for i, var in enumerate(s[g]):
             if var is not None:
                 terms.add(var, float(model.nbytes[g][i]))
-    prob.row(terms.coef, -INF, float(budget_bytes))
+    for block, y in zip(model.blocks, rec.kept):
+        for g, dropped in block.dropped.items():
+            for i, var in enumerate(s[g]):
+                if var is not None:
+                    terms.add(var, -float(dropped[i]))
+        terms.add(y, 1.0)
+    return terms
 
 
 def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
-                     pricer: EdgePricer) -> tuple[tuple[LinearTerms, ...], int]:
+                     pricer: EdgePricer, forward: Optional[EdgePricer] = None
+                     ) -> tuple[tuple[LinearTerms, ...], tuple[LinearTerms, ...], int]:
     """For every edge e = (u, v) between groups, with src classes o and dst classes r,
 
         sum_r x[e,o,r] = sum_{i in o} s[gu,i]   for every o
         sum_o x[e,o,r] = sum_{j in r} s[gv,j]   for every r,   x[e,o,r] >= 0,
 
     with no x[e,o,r] where R[e,o,r] is infinite. Classes whose rows (or columns) of R
-    are equal are merged first (_merge_alike). An edge with one class on a side needs
-    no x (its cost is a term on the other side's s; an impossible pair fixes that s at
-    0), nor does one whose every pair costs the same (its cost is a constant). Returns
-    each edge's reshard cost sum_{o,r} R[e,o,r] x[e,o,r] in microseconds, twins sharing
-    one, and how many x it created."""
-    built: dict[tuple[str, int, str, int], LinearTerms] = {}
-    reshard: list[LinearTerms] = []
+    are equal are merged first (ilp_terms.merge_alike; for an edge into a block, rows
+    of the pairs (R, F)). An edge with one class on a side needs no x (its cost is a
+    term on the other side's s; an impossible pair fixes that s at 0), nor does one
+    whose every pair costs the same (its cost is a constant). Returns each edge's
+    reshard cost sum_{o,r} R[e,o,r] x[e,o,r] and its forward part sum F x (`forward`
+    prices F, for the edges into blocks only) in microseconds, twins sharing one, and
+    how many x it created."""
+    into_blocks = {model.edges[k].twin_key(model.rep) for b in model.blocks for k in b.edges}
+    built: dict[tuple[str, int, str, int], tuple[LinearTerms, LinearTerms]] = {}
+    reshard, rerun = [], []
     created = 0
     for edge in model.edges:
         key = edge.twin_key(model.rep)
         if key not in built:
-            src, dst = _classes(edge, model, s, pricer)
-            matrix = [[pricer.cost_between(o, r) for r in dst] for o in src]
-            built[key], n = _link_classes(prob, *_merge_alike(list(src.values()), list(dst.values()), matrix))
+            src, dst = edge_classes(edge, model, pricer)
+            matrix: list[list] = [[pricer.cost_between(o, r) for r in dst] for o in src]
+            with_forward = forward is not None and key in into_blocks
+            if with_forward:
+                matrix = [list(zip(row, fwd)) for row, fwd in zip(matrix, _forward_s(edge, model, src, dst, forward))]
+            su, sv = s[model.groups[edge.producer].leader], s[model.groups[edge.consumer.name].leader]
+            src_vars = [[su[i] for i in idx] for idx in src.values()]
+            dst_vars = [[sv[i] for i in idx] for idx in dst.values()]
+            *built[key], n = link_classes(prob, *merge_alike(src_vars, dst_vars, matrix), with_forward)
             created += n
-        reshard.append(built[key])
-    return tuple(reshard), created
+        reshard.append(built[key][0])
+        rerun.append(built[key][1])
+    return tuple(reshard), tuple(rerun), created
 
 
-Classes = list[list[int]]  # per class, the s variables that choose it
+def _forward_s(edge: Edge, model: IlpModel, src: dict[int, list[int]], dst: dict[DstKey, list[int]],
+               forward: EdgePricer) -> list[list[float]]:
+    """F[e,o,r]: the forward steps of the reshard from class o to class r (a class's
+    first choice stands for it: its spec and grad-sync axes decide the steps)."""
+    producer = model.graph.node(edge.producer)
+    mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
+    outs = [producer.strategies[mu.index_map[idx[0]]].outputs[edge.output] for idx in src.values()]
+    reads = [edge.consumer.strategies[mv.index_map[idx[0]]] for idx in dst.values()]
+    return [[forward.cost_s(out, read, edge.position) for read in reads] for out in outs]
 
 
 def edge_classes(edge: Edge, model: IlpModel, pricer: EdgePricer
@@ -249,85 +274,11 @@ def edge_classes(edge: Edge, model: IlpModel, pricer: EdgePricer
     return src, dst
 
 
-def _classes(edge: Edge, model: IlpModel, s: Mapping[str, tuple[Variable, ...]], pricer: EdgePricer
-             ) -> tuple[dict[int, list[int]], dict[DstKey, list[int]]]:
-    """edge_classes with the s variables of the choices."""
-    src, dst = edge_classes(edge, model, pricer)
-    su, sv = s[model.groups[edge.producer].leader], s[model.groups[edge.consumer.name].leader]
-    return ({o: [su[i] for i in idx] for o, idx in src.items()},
-            {r: [sv[i] for i in idx] for r, idx in dst.items()})
-
-
-def _merge_alike(src: Classes, dst: Classes, matrix: list[list[float]]
-                 ) -> tuple[Classes, Classes, list[list[float]]]:
-    """Merges src classes with equal rows of R, then dst classes with equal columns,
-    until none are left. Exact, for the LP relaxation too: a flow into two equal
-    columns splits in proportion to their marginals, at the same cost, and back."""
-    while True:
-        rows: dict[tuple[float, ...], int] = {}
-        merged_src: Classes = []
-        for vars_, row in zip(src, matrix):
-            k = rows.setdefault(tuple(row), len(rows))
-            if k == len(merged_src):
-                merged_src.append([])
-            merged_src[k].extend(vars_)
-        cols: dict[tuple[float, ...], int] = {}
-        merged_dst: Classes = []
-        for r, vars_ in enumerate(dst):
-            k = cols.setdefault(tuple(row[r] for row in rows), len(cols))
-            if k == len(merged_dst):
-                merged_dst.append([])
-            merged_dst[k].extend(vars_)
-        if len(merged_src) == len(src) and len(merged_dst) == len(dst):
-            return src, dst, matrix
-        columns = list(cols)
-        src, dst, matrix = merged_src, merged_dst, [list(row) for row in zip(*columns)]
-
-
-def _link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: list[list[float]]
-                  ) -> tuple[LinearTerms, int]:
-    """An edge's constraints and cost terms, without x where a side has one class."""
-    terms = LinearTerms()
-    if len(src) == 1 and len(dst) == 1 and matrix[0][0] < INF:
-        terms.add(None, matrix[0][0] * US)
-        return terms, 0
-    if len(src) == 1:
-        for r, vars_ in enumerate(dst):
-            for var in vars_:
-                _add_or_forbid(prob, terms, var, matrix[0][r])
-        return terms, 0
-    if len(dst) == 1:
-        for o, vars_ in enumerate(src):
-            for var in vars_:
-                _add_or_forbid(prob, terms, var, matrix[o][0])
-        return terms, 0
-    by_src: list[dict[int, float]] = [{var: -1.0 for var in vars_} for vars_ in src]
-    by_dst: list[dict[int, float]] = [{var: -1.0 for var in vars_} for vars_ in dst]
-    created = 0
-    for o, row in enumerate(matrix):
-        for r, cost in enumerate(row):
-            if cost < INF:
-                x = prob.column(binary=False)
-                terms.add(x, cost * US)
-                by_src[o][x] = by_dst[r][x] = 1.0
-                created += 1
-    for coef in by_src + by_dst:  # sum of the flows = the marginal, as sum coef[v] v = 0
-        prob.row(coef, 0.0, 0.0)
-    return terms, created
-
-
-def _add_or_forbid(prob: LinearProgram, terms: LinearTerms, var: int, cost_s: float) -> None:
-    if cost_s == INF:
-        prob.fix_zero(var)
-    else:
-        terms.add(var, cost_s * US)
-
-
 # ---- objectives --------------------------------------------------------------------
 
 def time_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
-    """min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r], in microseconds;
-    every copy of a group or an edge adds its own terms."""
+    """min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r] + sum_b z[b], in
+    microseconds; every copy of a group or an edge adds its own terms."""
     terms = LinearTerms()
     for g in model.leaders:
         for i, var in enumerate(v.s[g]):
@@ -335,32 +286,38 @@ def time_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
                 terms.add(var, model.cost_s[g][i] * US)
     for edge_terms in v.reshard:
         terms.extend(edge_terms)
+    for z in v.recompute.rerun:
+        terms.add(z, 1.0)
     return terms
 
 
 def memory_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
-    """min sum_g sum_i m[g,i] s[g,i], in MiB: the smallest footprint, whatever the time."""
+    """min sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b]), in MiB: the smallest
+    footprint, whatever the time (every block that can recompute does)."""
     terms = LinearTerms()
-    for g in model.leaders:
-        for i, var in enumerate(v.s[g]):
-            if var is not None:
-                terms.add(var, model.nbytes[g][i] / MIB)
+    for var, c in _memory_terms(model, v.s, v.recompute).coef.items():
+        terms.add(var, c / MIB)
     return terms
 
 
 # ---- the whole ILP -----------------------------------------------------------------
 
 def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_objective,
-              budget_bytes: Optional[int] = None) -> Ilp:
-    """One-hot and edge consistency, the memory budget when there is one, and `objective`."""
+              budget_bytes: Optional[int] = None, forward: Optional[EdgePricer] = None) -> Ilp:
+    """One-hot and edge consistency, recompute where the model has blocks (`forward`
+    prices their reshards' forward steps), the memory budget when there is one, and
+    `objective`. Without blocks the rows and columns come in the order they always did."""
     prob = LinearProgram()
     s = one_hot(prob, model)
-    if budget_bytes is not None:
+    if budget_bytes is not None and not model.blocks:
         memory_budget(prob, model, s, budget_bytes)
-    reshard, n_x = edge_consistency(prob, model, s, pricer)
+    reshard, rerun, n_x = edge_consistency(prob, model, s, pricer, forward)
+    rec = recompute(prob, model, s, rerun) if model.blocks else RecomputeVariables()
+    if budget_bytes is not None and model.blocks:
+        memory_budget(prob, model, s, budget_bytes, rec)
     own = [g for g in model.leaders if model.rep.get(g, g) == g]
     n_s = sum(var is not None for g in own for var in s[g])
-    variables = IlpVariables(s, reshard, n_s + n_x, len(own))
+    variables = IlpVariables(s, reshard, n_s + n_x + 3 * len(rec.recomputed), len(own), rec)
     terms = objective(model, variables)
     prob.minimise(terms.coef, terms.constant)
     return Ilp(prob, variables)

@@ -18,6 +18,7 @@ from torch import fx
 
 from autopar.passes.emit import buffer_blocks, emit, local_inputs
 from autopar.passes.program import StepModule, WaitModule
+from autopar.passes.recompute import Recomputed, checkpoint
 from autopar.core.mesh import Mesh
 from autopar.core.resharding import Step
 
@@ -101,7 +102,10 @@ def run_lockstep(programs: list[fx.GraphModule], mesh: Mesh, inputs: list[list[t
         if node.op == "call_module":
             mod = programs[0].get_submodule(node.target)
             xs = [envs[r][node_lists[r][i].args[0].name] for r in range(len(programs))]
-            if isinstance(mod, WaitModule):  # the step ran whole at its start
+            if isinstance(mod, Recomputed):  # every rank's block under one checkpoint
+                ys = _recomputed([p.get_submodule(node.target).body for p in programs], mesh,
+                                 [[envs[r][a.name] for a in node_lists[r][i].args] for r in range(len(programs))])
+            elif isinstance(mod, WaitModule):  # the step ran whole at its start
                 ys = xs
             elif isinstance(mod, StepModule):
                 ys = _MeshStep.apply(mod.step, mesh, *xs)
@@ -118,6 +122,20 @@ def run_lockstep(programs: list[fx.GraphModule], mesh: Mesh, inputs: list[list[t
             else:
                 envs[r][n.name] = n.target(*args, **kwargs)
     return outputs
+
+
+def _recomputed(bodies: list[fx.GraphModule], mesh: Mesh, args: list[list[Any]]) -> list[Any]:
+    """A recomputed block (passes/recompute.py) of every rank, run in lockstep under one
+    non-reentrant checkpoint, as each rank's Recomputed runs its own."""
+    width = len(args[0])
+
+    def body(*flat: Any) -> tuple:
+        outs = run_lockstep(bodies, mesh, [list(flat[r * width:(r + 1) * width]) for r in range(len(bodies))])
+        return tuple(y for out in outs for y in out)
+
+    flat = checkpoint(body, *[a for per_rank in args for a in per_rank], use_reentrant=False)
+    n = len(flat) // len(bodies)
+    return [tuple(flat[r * n:(r + 1) * n]) for r in range(len(bodies))]
 
 
 def simulate(traced, plan, state: dict[str, torch.Tensor], user_tensors: list[torch.Tensor],

@@ -11,7 +11,12 @@
    function per constraint family) and solve it for the least time within the memory
    budget; when no plan fits, solve it again for the least memory to report;
 4. read the leaders' choices back into a Plan (under a budget, each group moved to the
-   smallest of its equally fast choices).
+   smallest of its equally fast choices), with the blocks it recomputes.
+
+Recompute (passes/recompute_ilp.py): in training under a budget, each repeated block
+(passes/clusters.find_blocks) may drop its inner activations and run its forward again
+in backward; the ILP weighs that against sharding parameters further. Without a budget
+recompute only costs time, so the ILP is built without it, exactly as before.
 
 Followers (Options.follow): a single-input op follows its producer, taking for each
 producer choice its cheapest strategy; getitem follows its tuple; a placeholder used
@@ -25,20 +30,23 @@ still adds its own cost terms, so the objective prices each block and each bound
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from autopar.core.errors import MemoryBudgetError, SolverError
 from autopar.core.kinds import NodeKind
 from autopar.core.options import Options
 from autopar.core.plan import Plan
-from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, SolverReport
+from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.placement import Spec
 from autopar.cost_models.memory import node_bytes
+from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
 from autopar.passes.dominance import prefer_smaller, prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
+from autopar.passes.recompute_ilp import block_terms
 from autopar.passes.rules import Strategy
 from autopar.passes.solver_backend import Solution, SolveStatus, solve_program, solver_name
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
@@ -161,23 +169,48 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     budget = options.memory_budget_bytes
     compute = node_costs(graph, costs)
     model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep)
-    model = prune_dominated(model, pricer, with_memory=budget is not None)
+    forward = None
+    if budget is not None and costs.training:  # recompute can pay: the blocks and their terms
+        forward = EdgePricer(replace(costs, training=False))
+        model = replace(model, blocks=block_terms(model, find_blocks(graph), forward,
+                                                  node_costs(graph, forward.costs), memory))
+    keep = _recompute_groups(model)
+    kept_whole = {"keep": keep} if keep else {}  # without recompute, the call it always was
+    model = prune_dominated(model, pricer, with_memory=budget is not None, **kept_whole)
     # 3. the least time within the budget
-    ilp = build_ilp(model, pricer, time_objective, budget)
+    ilp = build_ilp(model, pricer, time_objective, budget, forward)
     name = solver_name(options)
     solution = solve_program(ilp.program, options)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
-        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options))
+        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
     # 4. read the choice back
     picks = _picks(ilp, solution, name)
     if budget is not None:  # memory counts: of equally fast layouts, the smaller
-        picks = prefer_smaller(model, picks, pricer)
+        picks = prefer_smaller(model, picks, pricer, keep)
     status = solution.status.value
     if solution.status is not SolveStatus.OPTIMAL:
         status = f"{status} (time limit {options.time_limit_s} s)"
     report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
                           ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks)
-    return read_plan(graph, groups, picks, pricer, costs, report, memory, compute)
+    return read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
+                     _recomputed(model, ilp, solution))
+
+
+def _recompute_groups(model: IlpModel) -> frozenset[str]:
+    """The owner groups whose choices price recompute terms (a, f, or F on an edge into a
+    block): dominance pruning and prefer_smaller leave them alone."""
+    out = set()
+    for block in model.blocks:
+        out.update(model.owner(g) for g in block.dropped)
+        for k in block.edges:
+            edge = model.edges[k]
+            out.update(model.owner(model.groups[end].leader) for end in (edge.producer, edge.consumer.name))
+    return frozenset(out)
+
+
+def _recomputed(model: IlpModel, ilp: Ilp, solution: Solution) -> tuple[RecomputedBlock, ...]:
+    return tuple(RecomputedBlock(block.name, block.nodes)
+                 for block, r in zip(model.blocks, ilp.variables.recompute.recomputed) if solution.values[r] > 0.5)
 
 
 def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Options
@@ -205,12 +238,16 @@ def cluster_mode(value) -> Optional[str]:
 
 
 def _smallest_footprint(model: IlpModel, pricer: EdgePricer, memory: dict[str, list[int]],
-                        options: Options) -> int:
-    """The fewest bytes per rank any plan needs: the optimum of the memory objective."""
-    ilp = build_ilp(model, pricer, memory_objective)
-    picks = _picks(ilp, solve_program(ilp.program, options), "memory")
+                        options: Options, forward: Optional[EdgePricer] = None) -> int:
+    """The fewest bytes per rank any plan needs: the optimum of the memory objective
+    (with every block recomputed that drops bytes so)."""
+    ilp = build_ilp(model, pricer, memory_objective, forward=forward)
+    solution = solve_program(ilp.program, options)
+    picks = _picks(ilp, solution, "memory")
     member = model.groups
-    return sum(memory[n.name][member[n.name].index_map[picks[member[n.name].leader]]] for n in model.graph.nodes)
+    total = sum(memory[n.name][member[n.name].index_map[picks[member[n.name].leader]]] for n in model.graph.nodes)
+    recomputed = {b.name for b in _recomputed(model, ilp, solution)}
+    return total - sum(a[picks[g]] for b in model.blocks if b.name in recomputed for g, a in b.dropped.items())
 
 
 def _picks(ilp: Ilp, solution: Solution, name: str) -> dict[str, int]:
@@ -237,8 +274,9 @@ def _alternative(n: PlannedNode, alt: Strategy, compute_s: float, chosen: dict[s
 
 def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
               costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
-              compute: Optional[dict[str, list[float]]] = None) -> Plan:
-    """`compute`: node_costs(graph, costs), when the caller has it."""
+              compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = ()) -> Plan:
+    """`compute`: node_costs(graph, costs), when the caller has it; `recompute`: the
+    blocks recomputed in backward (their forward again, their inner bytes not kept)."""
     compute = compute or node_costs(graph, costs)
     chosen: dict[str, Strategy] = {}
     for n in graph.nodes:
@@ -272,6 +310,8 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             comm = costs.steps_cost(steps).total_s
             comm_total += comm
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
+    again = recompute_terms(nodes, edges, recompute, costs)
     return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
-                tuple(nodes), tuple(edges), compute_total, comm_total, param_bytes, act_bytes, report,
-                graph.unruled_ops, state_bytes, discovered_ops=graph.discovered_ops)
+                tuple(nodes), tuple(edges), compute_total + again.compute_s, comm_total + again.comm_s, param_bytes,
+                act_bytes + again.memory_bytes, report, graph.unruled_ops, state_bytes,
+                discovered_ops=graph.discovered_ops, recompute=recompute)
