@@ -25,6 +25,7 @@ from autopar.core.plan import Plan
 from autopar.cost_models.devices import preset
 from autopar.cost_models.model import CostModel
 from autopar.cost_models.profile import Profile
+from autopar.passes.planning import plan_traced, trace_for_planning
 from tests import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,18 +78,18 @@ def test_bad_node_layouts_are_refused_with_the_value_and_the_fix():
 # ---- the solver puts tensor parallelism on the fast axis -------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_two_nodes():
-    """GPT-2 tiny (hidden 256) planned for training on (2, 4) over 2 nodes, with the
-    inter-node link 20x slower than the intra-node one, and with the two swapped."""
-    model = models.build("gpt2", n_embd=256).train()
-    _, kw = models.inputs("gpt2", batch=2, seq=32)
+    """A one-layer GPT-2 (hidden 128) traced once and planned for training on (2, 4) over
+    2 nodes, with the inter-node link 20x slower than the intra-node one, and with the
+    two swapped."""
+    model = models.build("gpt2", n_embd=128, n_layer=1).train()
+    _, kw = models.inputs("gpt2", batch=2, seq=16)
     fast = Link(5e-6, 1 / 10e9, "fast")
     slow = Link(20 * fast.alpha_s, 20 * fast.beta_s_per_byte, "slow")
-    plans = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, links in {"inter slow": {I: fast, X: slow}, "intra slow": {I: slow, X: fast}}.items():
-            plans[name] = autopar.plan(model, (), kw, mesh=(2, 4), device="cpu", nodes=2, links=links)
-    return plans
+        traced = trace_for_planning(model, (), kw)
+        return {name: plan_traced(traced, Mesh((2, 4)), autopar.Options(device="cpu", nodes=2, links=links))[1]
+                for name, links in {"inter slow": {I: fast, X: slow}, "intra slow": {I: slow, X: fast}}.items()}
 
 
 def _split_axes(plan: Plan, word: str) -> dict[int, int]:
@@ -105,9 +106,9 @@ def test_tensor_parallelism_lands_on_the_fast_axis(gpt2_two_nodes):
     inter_slow, intra_slow = gpt2_two_nodes["inter slow"], gpt2_two_nodes["intra slow"]
     assert [(a.kind, a.link.name) for a in inter_slow.links] == [(X, "slow"), (I, "fast")]
     assert [(a.kind, a.link.name) for a in intra_slow.links] == [(X, "fast"), (I, "slow")]
-    # attention's four weights (c_attn, c_proj in 2 layers): Megatron-split on the fast axis only
-    assert _split_axes(inter_slow, "attn") == {0: 0, 1: 4}
-    assert _split_axes(intra_slow, "attn") == {0: 4, 1: 0}
+    # attention's two weights (c_attn, c_proj): Megatron-split on the fast axis only
+    assert _split_axes(inter_slow, "attn") == {0: 0, 1: 2}
+    assert _split_axes(intra_slow, "attn") == {0: 2, 1: 0}
     every_weight = _split_axes(inter_slow, "")
     assert every_weight[1] > every_weight[0], every_weight
     assert "axis 0 slow (inter-node" in inter_slow.summary() and "axis 1 fast (intra-node" in inter_slow.summary()
@@ -131,6 +132,14 @@ def test_the_pictures_name_each_axis_link(gpt2_two_nodes):
     assert mesh_label(plan) == "(2, 4) [axis 0 inter-node slow, axis 1 intra-node fast]"
     fig = tensor_blocks(plan, ["p_transformer_h_0_attn_c_attn_weight"])
     assert "axis 0 inter-node slow" in fig._suptitle.get_text()
+
+
+def test_the_cli_plans_for_several_nodes(tmp_path, capsys):
+    from autopar.tools.cli import main
+    path = str(tmp_path / "plan.json")
+    assert main(["plan", "gpt2-tiny", "--mesh", "2,4", "--device", "h100", "--nnodes", "2", "--out", path]) == 0
+    assert "axis 0 ib-400g (inter-node" in capsys.readouterr().out
+    assert [a.kind for a in Plan.from_json(path).links] == [X, I]
 
 
 def test_a_calibration_is_applied_only_to_axes_of_its_kind():

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("model", help=models_help)
         sp.add_argument("--mesh", type=_mesh, required=True, help="mesh shape, e.g. 2,4")
         sp.add_argument("--device", default="cpu", help="cost-model preset: cpu, a100, h100, h200")
+        sp.add_argument("--nnodes", type=int, default=1, help="machines the ranks span, as torchrun's --nnodes: "
+                        "mesh axes whose groups cross them get the preset's inter-node link (default 1)")
         sp.add_argument("--batch", type=int, default=4)
         sp.add_argument("--seq", type=int, default=32)
         sp.add_argument("--training", action="store_true", help="plan a training step (forward + backward)")
@@ -100,7 +102,8 @@ def _plan(args):
     model, margs, mkwargs = zoo.build(args.model, args.batch, args.seq, args.training)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.plan(model, margs, mkwargs, mesh=args.mesh, device=args.device, training=args.training), \
+        return autopar.plan(model, margs, mkwargs, mesh=args.mesh, device=args.device, training=args.training,
+                            nodes=args.nnodes), \
             (model, margs, mkwargs)
 
 
@@ -160,7 +163,7 @@ def _code(args) -> str:
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_traced(traced, mesh, Options(device=args.device, training=args.training))[1]
+            plan = plan_traced(traced, mesh, Options(device=args.device, training=args.training, nodes=args.nnodes))[1]
     program = emit(traced, plan, mesh.coords(args.rank))
     return f"# rank {args.rank} at mesh coordinates {mesh.coords(args.rank)} of {mesh.shape}\n{program.code}"
 
