@@ -75,6 +75,20 @@ def test_bad_node_layouts_are_refused_with_the_value_and_the_fix():
         autopar.Options(links={X: 1.0})
 
 
+def test_compile_checks_the_layout_before_any_collective(monkeypatch):
+    # a process group of 8 ranks that torchrun runs 2 per node: nodes=2 cannot be right,
+    # and compile says so before it builds process groups or plans
+    import autopar.api as api
+    monkeypatch.setattr(api.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(api.dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(api, "ParallelModule", lambda *a, **k: pytest.fail("reached the runtime"))
+    with pytest.raises(MeshError, match=r"nodes=2 puts 4 ranks on each node.*pass nodes=4"):
+        autopar.compile(models.build("mlp"), mesh=(2, 4), nodes=2)
+    with pytest.raises(MeshError, match=r"nodes=3 does not divide the 8 ranks"):
+        autopar.compile(models.build("mlp"), mesh=(2, 4), nodes=3)
+
+
 # ---- the solver puts tensor parallelism on the fast axis -------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_two_nodes():
