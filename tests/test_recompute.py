@@ -156,3 +156,49 @@ def test_gradients_match_one_device_in_simulation(two_way, name):
     program = emit(traced, plan, (0,))
     assert sum(isinstance(m, Recomputed) for m in program.gm.modules()) == len(plan.recompute)
     assert simulate_against(model, args, kwargs, traced, plan, context=name) > 0
+
+
+def recompute_on_ranks(rank: int, world: int, plan_path: str, steps: int = 2) -> dict:
+    """A gloo rank runs a plan file that recomputes: per step its loss and gradients
+    next to one device's (the same weights each step, so a gradient synced twice, or a
+    collective rerun out of order, shows)."""
+    import copy
+    import autopar
+    from tests.cases import _grad_pairs, _loss
+    model = build("llama").train()
+    reference = copy.deepcopy(model)
+    args, kwargs = inputs("llama", batch=4, seq=16)
+    ref_loss = _loss(reference(*args, **kwargs))
+    ref_loss.backward()
+    ref_grads = {k: p.grad for k, p in reference.named_parameters(remove_duplicate=False)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(model, args, kwargs, mesh=(world,), plan=plan_path)
+    out = {"recomputed": sum(isinstance(m, Recomputed) for m in pm.current.program.gm.modules()), "steps": []}
+    for _ in range(steps):
+        pm.zero_grad(set_to_none=True)
+        loss = _loss(pm(*args, **kwargs))
+        loss.backward()
+        out["steps"].append({"loss": loss.detach(), "grads": _grad_pairs(pm, ref_grads, rank)})
+    out["ref_loss"] = ref_loss.detach()
+    return out
+
+
+@pytest.mark.slow
+def test_gradients_match_one_device_on_gloo_ranks(two_way, tmp_path):
+    *_, traced, free = two_way["llama"]
+    plan = _plan(traced, (2,), memory_budget_bytes=_smallest(traced, (2,)))
+    assert plan.recompute
+    plan.to_json(tmp_path / "plan.json")
+    from tests.harness import run_ranks
+    for got in run_ranks(2, [(recompute_on_ranks, dict(plan_path=str(tmp_path / "plan.json")))])[0:2]:
+        (res,) = got
+        assert "error" not in res, res.get("error")
+        assert res["recomputed"] == len(plan.recompute)
+        for step in res["steps"]:
+            torch.testing.assert_close(step["loss"], res["ref_loss"], rtol=1e-5, atol=1e-6)
+            for name, (local, expect, spec) in step["grads"].items():
+                if expect is None:
+                    assert local is None or not local.any(), name
+                else:
+                    torch.testing.assert_close(local, expect, msg=lambda m: f"{name} ({spec}): {m}")
