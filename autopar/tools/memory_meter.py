@@ -21,20 +21,30 @@ from autopar import _compat
 
 
 class _Made(_compat.dispatch_mode()):
-    """Notes the storage of every tensor an op returns."""
+    """Notes the storage of every tensor an op returns, unless an op read it first (a
+    storage made before: a parameter, and its views such as a transpose)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.older: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in _tensors((args, kwargs)):
+            cdata = StorageWeakRef(t.untyped_storage()).cdata
+            if cdata not in self.storages:
+                self.older.add(cdata)
         out = func(*args, **(kwargs or {}))
-        for t in _compat.tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                ref = StorageWeakRef(storage)
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref.cdata not in self.older:
                 self.storages[ref.cdata] = (ref, storage.nbytes())
         return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in _compat.tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
 
 
 def kept_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
