@@ -70,6 +70,24 @@ def test_fits_allows_one_uneven_axis_without_empty_blocks():
         assert torch.equal(full[block_index(s, (2, 4), (1, c))], local_chunk(full, s, (2, 4), (1, c)))
 
 
+def test_the_largest_block_sets_the_price():
+    """Compute and memory are priced at ceil(n / k) rows, a gather at the padded bytes:
+    3 rows on 2 ranks cost what 4 rows (2 per rank) cost."""
+    from autopar.core.resharding import reshard_steps
+    from autopar.cost_models.model import CostModel
+    costs = CostModel.analytic("h100", (2,), training=True)
+
+    def mm_cost(m):
+        x, w, out = (TensorMeta((m, 512), F32), TensorMeta((512, 512), F32), TensorMeta((m, 512), F32))
+        return costs.op_cost(aten.mm.default, (Spec((Shard(0),), x), Spec((R,), w)), (Spec((Shard(0),), out),))
+    assert mm_cost(3).total_s == mm_cost(4).total_s > mm_cost(2).total_s
+
+    def gather_s(m):
+        meta = TensorMeta((m, 4096), F32)
+        return costs.steps_cost(reshard_steps(Spec((Shard(0),), meta), Spec((R,), meta))).total_s
+    assert gather_s(3) == gather_s(4) > gather_s(2)
+
+
 # ---- 2. rules --------------------------------------------------------------------------
 
 def _strategies(target, args, mesh=(2,)):
