@@ -35,6 +35,7 @@ import torch
 
 from autopar import _compat
 from autopar.core.kinds import NodeKind
+from autopar.core.links import link_overrides
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, check_request
@@ -209,11 +210,22 @@ class SubMeshSolves:
         self.traced, self.options = traced, options
         self._done: dict[tuple[int, ...], tuple[AnnotatedGraph, Plan]] = {}
 
-    def __call__(self, mesh: Mesh) -> tuple[AnnotatedGraph, Plan]:
-        if mesh.shape not in self._done:
-            graph = annotate(self.traced, mesh, None, self.options.discover_rules)
-            self._done[mesh.shape] = (graph, plan_annotated(graph, self.options))
-        return self._done[mesh.shape]
+    def __call__(self, mesh: Mesh, axis: int) -> tuple[AnnotatedGraph, Plan]:
+        sub = stage_mesh(mesh, axis)
+        options = _stage_options(self.options, mesh, sub)
+        key = (sub.shape, options.nodes)
+        if key not in self._done:
+            graph = annotate(self.traced, sub, None, options.discover_rules)
+            self._done[key] = (graph, plan_annotated(graph, options))
+        return self._done[key]
+
+
+def _stage_options(options: Options, mesh: Mesh, sub: Mesh) -> Options:
+    """The sub-mesh keeps the mesh's ranks per node (Options.nodes), so its axes are priced
+    with the links they use (exact when the pipeline axis is the outermost)."""
+    per_node = mesh.size // max(options.nodes, 1)
+    nodes = sub.size // per_node if per_node and sub.size % per_node == 0 else 1
+    return replace(options, nodes=max(nodes, 1))
 
 
 def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:
@@ -221,7 +233,7 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     schedule, microbatches = Schedule.of(options.pipeline_schedule), options.microbatches
     check_request(mesh.shape, axis, microbatches)
     ranks = mesh.shape[axis]
-    graph, sub = solves(stage_mesh(mesh, axis))
+    graph, sub = solves(mesh, axis)
     units = units_of(graph, sub)
     n_stages = ranks * schedule.chunks_per_rank
     if n_stages > len(units.block_s):
@@ -230,7 +242,8 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
                             f"{len(units.block_s)} blocks in {units.container}; pipeline over an axis of at most "
                             f"{len(units.block_s)} ranks, use schedule '1f1b', or set pipeline_axis=None")
     training = full.training if options.training is None else options.training
-    link = CostModel.analytic(options.device, mesh.shape, training).link(axis)
+    link = CostModel.analytic(options.device, mesh.shape, training, options.nodes,
+                              link_overrides(options.links)).link(axis)
     sends = tuple((link.alpha_s + b * link.beta_s_per_byte) * (2 if training else 1) for b in units.boundary_bytes)
     stages = stage_values(units, sends, units.boundary_bytes, split_stages(units, sends, n_stages), ranks)
     step_s, bubble_s = step_time(stages, ranks, microbatches)

@@ -4,7 +4,11 @@
                               axis 1: groups {0,1,2,3} {4,5,6,7}
 
 Every rank must create every group of an axis, in the same order, even the groups it
-is not in (torch.distributed's rule). Groups are cached per (mesh, backend, timeout) on
+is not in (torch.distributed's rule).
+
+A mesh may also be a sub-mesh of the world, given by its global ranks in row-major
+order (a pipeline stage's ranks): stage_groups makes the groups of every stage's
+sub-mesh on every rank, in one order, and keeps this rank's. Groups are cached per (mesh, backend, timeout) on
 the live default group, so compiling model after model in one process (a notebook, a
 sweep, a service) does not pile up process groups.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,8 @@ class MeshGroups:
     comms: tuple[AxisComm, ...]
     device_mesh: Any  # torch.distributed.device_mesh.DeviceMesh
     world: Any  # the default group these were made under (a new one after re-init needs new groups)
+    ranks: tuple[int, ...] = ()  # global ranks of the mesh, row-major; () for the whole world
+    group: Any = None  # the process group spanning the mesh; None for the whole world
 
     @property
     def coords(self) -> tuple[int, ...]:
@@ -43,45 +49,100 @@ class MeshGroups:
 _CACHE: dict[tuple, MeshGroups] = {}
 
 
-def check_world(mesh: Mesh) -> int:
-    """This process's rank, after checking that a process group of the mesh's size runs."""
+def check_world(mesh: Mesh, ranks: tuple[int, ...] = ()) -> int:
+    """This process's rank on the mesh, after checking that a process group of the mesh's
+    size runs (or, for a sub-mesh of global `ranks`, that the world holds them and this
+    process is one of them)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ProcessGroupError(
             "autopar.compile needs an initialised process group: launch with torchrun "
             "(torchrun --nproc-per-node N script.py) and call torch.distributed.init_process_group(), "
             "or use autopar.plan(...) to plan offline without processes")
     world = dist.get_world_size()
+    if ranks:
+        if len(ranks) != mesh.size or not set(ranks) <= set(range(world)) or dist.get_rank() not in ranks:
+            raise MeshError(f"sub-mesh {mesh.shape} on global ranks {list(ranks)} does not fit this process "
+                            f"(rank {dist.get_rank()} of {world}); give {mesh.size} distinct ranks below {world} "
+                            "including this one")
+        return ranks.index(dist.get_rank())
     if world != mesh.size:
         raise MeshError(f"mesh {mesh.shape} has {mesh.size} devices but the process group has {world} ranks; "
                         f"pick a mesh whose sizes multiply to {world}")
     return dist.get_rank()
 
 
-def mesh_groups(mesh: Mesh, device: torch.device, timeout_s: float) -> MeshGroups:
-    """The groups of `mesh` for tensors on `device` (NCCL for CUDA, gloo otherwise)."""
-    rank = check_world(mesh)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    key = (mesh.shape, backend, float(timeout_s))
+def mesh_groups(mesh: Mesh, device: torch.device, timeout_s: float, ranks: tuple[int, ...] = ()) -> MeshGroups:
+    """The groups of `mesh` for tensors on `device` (NCCL for CUDA, gloo otherwise);
+    `ranks`: the mesh's global ranks when it is a sub-mesh (made by stage_groups first)."""
+    rank = check_world(mesh, ranks)
+    backend = _backend(device)
+    key = (mesh.shape, backend, float(timeout_s), tuple(ranks))
     cached = _CACHE.get(key)
     if cached is None or cached.world is not dist.group.WORLD:
+        if ranks:
+            raise ProcessGroupError(f"no groups for sub-mesh {mesh.shape} on ranks {list(ranks)}: every rank must "
+                                    "make them together first (autopar.runtime.groups.stage_groups)")
         cached = _CACHE[key] = _make_groups(mesh, rank, backend, device, timeout_s)
     return cached
 
 
-def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, timeout_s: float) -> MeshGroups:
+def stage_groups(mesh: Mesh, axis: int, device: torch.device, timeout_s: float) -> tuple[MeshGroups, Any]:
+    """Every rank: the groups of each pipeline stage's sub-mesh (`mesh` without `axis`),
+    made in one order on every rank; returns this rank's stage groups and its group
+    along `axis` (the ranks of the other stages it sends to and receives from)."""
+    rank = check_world(mesh)
+    backend = _backend(device)
+    rest = tuple(s for a, s in enumerate(mesh.shape) if a != axis) or (1,)
+    sub = Mesh(rest)
+    mine: Optional[MeshGroups] = None
+    for k in range(mesh.shape[axis]):
+        ranks = stage_ranks(mesh, axis, k)
+        key = (sub.shape, backend, float(timeout_s), ranks)
+        cached = _CACHE.get(key)
+        if cached is None or cached.world is not dist.group.WORLD:
+            cached = _CACHE[key] = _make_groups(sub, ranks.index(rank) if rank in ranks else -1, backend, device,
+                                                timeout_s, ranks)
+        if rank in ranks:
+            mine = cached
+    pipe = _make_groups(mesh, rank, backend, device, timeout_s, axes=(axis,)).comms[0].group
+    assert mine is not None
+    return mine, pipe
+
+
+def stage_ranks(mesh: Mesh, axis: int, coordinate: int) -> tuple[int, ...]:
+    """Global ranks whose coordinate on `axis` is `coordinate`, in row-major order."""
+    return tuple(r for r in range(mesh.size) if mesh.coords(r)[axis] == coordinate)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, timeout_s: float,
+                 ranks: tuple[int, ...] = (), axes: Optional[tuple[int, ...]] = None) -> MeshGroups:
+    """Every rank calls this for every mesh; `rank` is this process's place on the mesh,
+    -1 when it is not on it (a sub-mesh of another stage): it still takes part in making
+    the groups, as torch.distributed requires, but keeps none."""
+    glob = ranks or tuple(range(mesh.size))
+    timeout = timedelta(seconds=timeout_s)
+    whole = dist.new_group(list(glob), backend=backend, timeout=timeout) if ranks else None
     comms, groups = [], []
-    coords = mesh.coords(rank)
+    coords = mesh.coords(rank) if rank >= 0 else (0,) * mesh.ndim
     for axis, size in enumerate(mesh.shape):
+        if axes is not None and axis not in axes:
+            continue
         mine = None
         for first in range(mesh.size):
-            ranks = mesh.axis_ranks(first, axis)
-            if ranks[0] != first:
+            members = mesh.axis_ranks(first, axis)
+            if members[0] != first:
                 continue
-            group = dist.new_group(list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
-            if rank in ranks:
+            group = dist.new_group([glob[m] for m in members], backend=backend, timeout=timeout)
+            if rank in members:
                 mine = group
         groups.append(mine)
-        comms.append(AxisComm(mine, size, coords[axis], mine.group_name))
-    device_mesh = DeviceMesh.from_group(groups, device.type, mesh=torch.arange(mesh.size).view(mesh.shape),
+        comms.append(AxisComm(mine, size, coords[axis], mine.group_name if mine is not None else ""))
+    if rank < 0 or axes is not None:
+        return MeshGroups(mesh, rank, tuple(comms), None, dist.group.WORLD, glob, whole)
+    device_mesh = DeviceMesh.from_group(groups, device.type, mesh=torch.tensor(glob).view(mesh.shape),
                                         mesh_dim_names=tuple(f"axis{a}" for a in range(mesh.ndim)))
-    return MeshGroups(mesh, rank, tuple(comms), device_mesh, dist.group.WORLD)
+    return MeshGroups(mesh, rank, tuple(comms), device_mesh, dist.group.WORLD, tuple(ranks), whole)

@@ -43,7 +43,7 @@ from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.collectives import step_runner
 from autopar.runtime.compiling import compiled_program
 from autopar.runtime.dynamic_programs import DynamicPrograms, PlannedSignature
-from autopar.runtime.groups import mesh_groups
+from autopar.runtime.groups import MeshGroups, mesh_groups
 from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
 from autopar.runtime.planner import agreed_plan
 from autopar.runtime.shipping import shared_trace
@@ -65,14 +65,16 @@ class Compiled:
 class ParallelModule(ShardedStateMethods, nn.Module):
     def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | str | None" = None,
                  materialize_on: "torch.device | str | None" = None,
-                 local_buffers: Optional[LocalBuffers] = None) -> None:
+                 local_buffers: Optional[LocalBuffers] = None, groups: Optional[MeshGroups] = None) -> None:
         """`local_buffers`: buffers (a KV cache) whose layout is chosen among candidate
         splits by solving once per candidate, each rank then keeping its block of their
-        updates without communication (passes/buffer_layouts.py)."""
+        updates without communication (passes/buffer_layouts.py). `groups`: the groups of
+        a sub-mesh (a pipeline stage's, groups.stage_groups); default: the whole world."""
         super().__init__()
         self.mesh, self.options = mesh, options
         self.device, self.on_meta = _model_device(model, materialize_on)
-        groups = mesh_groups(mesh, self.device, options.collective_timeout_s)
+        groups = groups or mesh_groups(mesh, self.device, options.collective_timeout_s)
+        self.group = groups.group  # the ranks that trace and plan together (None: the world)
         self.rank, self.coords, self.comms, self.device_mesh = groups.rank, groups.coords, groups.comms, groups.device_mesh
         self.__dict__["source_model"] = model  # not a submodule: its full parameters are not ours
         self.shards, self.state_tensors = empty_shards(model, self.device, _BucketsOf(self))
@@ -190,9 +192,10 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         """Trace (with torch.export Dims where `dynamic_shapes` gives them) and plan."""
         self.trace_count += 1
         traced, problem = shared_trace(self.source_model, args, kwargs, self.options.param_dtype, self.device,
-                                       dynamic_shapes)
+                                       dynamic_shapes, self.group)
         profile = self._profile() if self._given is None and problem is None else None
-        plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile), self._given, self._given_source)
+        plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile), self._given, self._given_source,
+                            self.group)
         opts = self.options
         program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True,
                        inflight_cap_bytes=opts.max_inflight_bytes if opts.overlap else None)

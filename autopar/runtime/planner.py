@@ -12,6 +12,9 @@
    on every rank as the same type (the exception itself travels; one that cannot be
    pickled becomes a PlanningError with its type and text); differing digests raise
    ProcessGroupError. No rank is left waiting in a collective.
+
+`group`: the ranks that agree (a pipeline stage's sub-mesh); None for the whole world.
+"Rank 0" is then the group's first rank.
 """
 
 from __future__ import annotations
@@ -31,30 +34,30 @@ Solve = Callable[[TracedGraph], Plan]
 
 
 def agreed_plan(traced: Optional[TracedGraph], problem: Optional[Exception], solve: Solve,
-                given: Optional[Plan], given_source: str) -> Plan:
+                given: Optional[Plan], given_source: str, group: Any = None) -> Plan:
     """The plan every rank runs for `traced` (None where this rank failed to trace, with
     `problem` the error), or the first error any rank met, raised on every rank."""
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     plan: Optional[Plan] = None
     if given is not None:
         if problem is None:
             _, problem = attempt(lambda: check_fingerprint(given, traced, given_source))
             plan = given if problem is None else None
     else:
-        plan, problem = _solved_on_rank0(traced, problem, solve, rank)
-    _agree(plan, problem)
+        plan, problem = _solved_on_rank0(traced, problem, solve, rank, group)
+    _agree(plan, problem, group)
     assert plan is not None
     return plan
 
 
 def _solved_on_rank0(traced: Optional[TracedGraph], problem: Optional[Exception], solve: Solve,
-                     rank: int) -> tuple[Optional[Plan], Optional[Exception]]:
+                     rank: int, group: Any = None) -> tuple[Optional[Plan], Optional[Exception]]:
     box: list = [problem]
     error: Optional[Exception] = None
     if rank == 0 and problem is None:
         plan, error = attempt(lambda: solve(traced))
         box[0] = plan if error is None else sendable(error)
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=first_rank(group), group=group)
     if problem is not None:
         return None, problem
     if isinstance(box[0], Exception):
@@ -77,10 +80,28 @@ def attempt(fn: Callable[[], Any]) -> tuple[Any, Optional[Exception]]:
         return None, e
 
 
-def _agree(plan: Optional[Plan], problem: Optional[Exception]) -> None:
+def agreed(make: Callable[[], Any], group: Any = None) -> Any:
+    """What the group's first rank makes (a pipelined plan), sent to every rank of the
+    group; an error there is raised on every rank."""
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        value, error = attempt(make)
+        box[0] = value if error is None else sendable(error)
+    dist.broadcast_object_list(box, src=first_rank(group), group=group)
+    if isinstance(box[0], Exception):
+        raise from_rank(box[0], first_rank(group))
+    return box[0]
+
+
+def first_rank(group: Any) -> int:
+    """The global rank of the group's rank 0 (0 for the whole world)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _agree(plan: Optional[Plan], problem: Optional[Exception], group: Any = None) -> None:
     mine = (plan.digest() if plan is not None else None, sendable(problem) if problem is not None else None)
-    seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, mine)
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
     if problem is not None:
         raise problem
     failed = [(r, err) for r, (_, err) in enumerate(seen) if err is not None]

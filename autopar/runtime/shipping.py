@@ -74,19 +74,21 @@ class Shipment:
 
 
 def shared_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optional[torch.dtype],
-                 device: torch.device, dynamic_shapes: Optional[tuple] = None) -> Traced:
+                 device: torch.device, dynamic_shapes: Optional[tuple] = None, group: Any = None) -> Traced:
     """This rank's TracedGraph of `model(*args, **kwargs)`, traced on rank 0 only, or the
     error met (here or on rank 0). `device`: where this rank runs. `dynamic_shapes`:
-    torch.export's symbolic dims (passes/dynamic.py), the same on every rank."""
-    if dist.get_world_size() == 1:
+    torch.export's symbolic dims (passes/dynamic.py), the same on every rank. `group`:
+    the ranks sharing the trace (a pipeline stage's sub-mesh; None: the world), its
+    first rank tracing."""
+    if dist.get_world_size(group) == 1:
         return attempt(lambda: trace(model, *planning_inputs(model, args, kwargs), param_dtype, dynamic_shapes))
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     box: list = [None]
     traced, problem = None, None
     if rank == 0:
         out, problem = attempt(lambda: _traced_here(model, args, kwargs, param_dtype, dynamic_shapes))
         traced, box[0] = out if problem is None else (None, sendable(problem))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     if rank == 0:
         return traced, problem
     if isinstance(box[0], Exception):

@@ -1,0 +1,177 @@
+"""Pipelined execution on torch.distributed.pipelining, each stage an autopar program.
+
+    model --pipeline(split at plan.pipeline.split_points)--> stage modules 0..S-1
+    rank r (pipeline coordinate k) -> stage k's module, planned and run by autopar on the
+    sub-mesh of the ranks whose coordinate is k -> PipelineStage(group: the pipeline axis)
+    -> ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with the loss function
+
+1. The first rank plans (passes/pipeline.py: stages chosen by the DP) and sends the plan
+   to every rank; a given Plan skips it. A plan without a pipeline (pipeline_axis="auto"
+   found that pipelining does not pay) runs as one ParallelModule over the whole mesh.
+2. Every rank makes the groups of every stage's sub-mesh and of the pipeline axis
+   (groups.stage_groups), splits the model with torch's own pipeline() at the plan's
+   block boundaries, and runs one microbatch through the unsplit stage modules to learn
+   the shapes each stage receives and sends (PipelineStage then needs no inference).
+3. Its stage module becomes a ParallelModule on the stage's sub-mesh (the ranks of that
+   sub-mesh trace, solve and agree among themselves). Stage outputs are full tensors, so
+   the next stage's ranks each receive the whole activation from their counterpart.
+4. Gradients sent back: autopar gives each rank the exact gradient of its own block of
+   an input (grad-sync steps complete replicated ones), so the full input gradient is the
+   sum over the sub-mesh of the zero-padded blocks, divided by the number of ranks
+   holding each block (_FullInputGrad); every rank then sends the same full gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from math import prod
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining as pp
+
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.pipeline import Schedule
+from autopar.core.placement import Replicate
+from autopar.core.plan import Plan
+from autopar.passes.pipeline import microbatch_inputs, plan_model, stage_mesh
+from autopar.runtime.groups import check_world, stage_groups
+from autopar.runtime.module import ParallelModule
+from autopar.runtime.planner import agreed
+
+SCHEDULES = {Schedule.GPIPE: pp.ScheduleGPipe, Schedule.ONE_F_ONE_B: pp.Schedule1F1B,
+             Schedule.INTERLEAVED_1F1B: pp.ScheduleInterleaved1F1B}
+
+
+class _FullInputGrad(torch.autograd.Function):
+    """Identity forward; backward: the full gradient of a stage input from each rank's
+    exact gradient of its block (step 4): sum over the sub-mesh / ranks per block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, replicas: int) -> torch.Tensor:
+        ctx.group, ctx.replicas = group, replicas
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad = grad.contiguous().clone()
+        if ctx.group is not None:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad / ctx.replicas, None, None
+
+
+class StageModule(nn.Module):
+    """What a PipelineStage runs: one stage's ParallelModule, its inputs' gradients made
+    whole for the previous stage."""
+
+    def __init__(self, pm: ParallelModule, group: Any) -> None:
+        super().__init__()
+        self.pm, self.group = pm, group
+        self.replicas: tuple[int, ...] = ()
+
+    def prepare(self, args: tuple, kwargs: dict) -> None:
+        """Trace and plan for one microbatch now (every rank of the sub-mesh together)."""
+        self.pm.prepare(args, kwargs)
+        specs = list(self.pm.input_specs.values())[: len(args)]
+        shape = self.pm.mesh.shape
+        self.replicas = tuple(prod(n for p, n in zip(s.placements, shape) if isinstance(p, Replicate))
+                              for s in specs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(_FullInputGrad.apply(x, self.group, r)
+                     if isinstance(x, torch.Tensor) and x.requires_grad and self.pm.mesh.size > 1 else x
+                     for x, r in zip(args, self.replicas + (1,) * len(args)))
+        return self.pm(*args, **kwargs)
+
+
+class PipelinedModule:
+    """This rank's stages of a pipelined model and the torch schedule that drives them.
+
+    pipe.step(*args, target=labels, **kwargs) runs one training step over all
+    microbatches (forward, loss_fn, backward) and returns the mean loss on the ranks of
+    the last stage (None elsewhere); gradients are left in pipe.parameters()."""
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
+                 loss_fn: Callable[..., torch.Tensor], plan: Optional[Plan] = None) -> None:
+        check_world(mesh)
+        self.mesh, self.options, self.loss_fn = mesh, options, loss_fn
+        self.plan = plan if plan is not None else agreed(lambda: plan_model(model, args, kwargs, mesh, options))
+        self.stages: list[StageModule] = []
+        self.plain: Optional[ParallelModule] = None
+        if self.plan.pipeline is None:
+            self.plain = ParallelModule(model, mesh, replace(options, pipeline_axis=None))
+            self.plain.prepare(args, kwargs)
+            return
+        self.schedule = self._build(model, args, kwargs)
+
+    def _build(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Steps 2 and 3."""
+        p, mesh, device = self.plan.pipeline, self.mesh, torch.device("cpu")
+        sub_groups, pipe_group = stage_groups(mesh, p.axis, device, self.options.collective_timeout_s)
+        mb_args, mb_kwargs = microbatch_inputs(args, kwargs, p.microbatches)
+        split = {name: pp.SplitPoint.BEGINNING for name in p.split_points}
+        pipe = pp.pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs, split_spec=split)
+        examples = _stage_examples(pipe, mb_args, mb_kwargs)
+        coordinate = mesh.coords(dist.get_rank())[p.axis]
+        stage_options = replace(self.options, pipeline_axis=None, microbatches=1)
+        torch_stages = []
+        for stage in p.stages:
+            if stage.rank != coordinate:
+                continue
+            (ins, kw), outs = examples[stage.index]
+            pm = ParallelModule(pipe.get_stage_module(stage.index), stage_mesh(mesh, p.axis), stage_options,
+                                groups=sub_groups)
+            module = StageModule(pm, sub_groups.group)
+            module.prepare(ins, kw)
+            self.stages.append(module)
+            torch_stages.append(pp.PipelineStage(module, stage.index, len(p.stages), device, input_args=ins,
+                                                 output_args=outs, group=pipe_group))
+        schedule = SCHEDULES[p.schedule]
+        if p.schedule is Schedule.INTERLEAVED_1F1B:
+            return schedule(torch_stages, n_microbatches=p.microbatches, loss_fn=self.loss_fn)
+        return schedule(torch_stages[0], n_microbatches=p.microbatches, loss_fn=self.loss_fn)
+
+    def _holds_last(self) -> bool:
+        """Whether this rank runs the last stage (where step returns the loss)."""
+        p = self.plan.pipeline
+        return p.stages[-1].rank == self.mesh.coords(dist.get_rank())[p.axis]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameter shards (an optimiser steps these)."""
+        mods = [self.plain] if self.plain is not None else [s.pm for s in self.stages]
+        return [q for m in mods for q in m.parameters()]
+
+    def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> Optional[torch.Tensor]:
+        if self.plain is not None:
+            loss = self.loss_fn(self.plain(*args, **kwargs), target)
+            loss.backward()
+            return loss.detach()
+        losses: list = []
+        first = self.plan.pipeline.stages[0].rank == self.mesh.coords(dist.get_rank())[self.plan.pipeline.axis]
+        if not first:  # torch hands the inputs to every stage this rank runs: only the first takes them
+            args, kwargs = (), {}
+        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        if not self._holds_last():
+            return None
+        return torch.stack([x.detach() for x in losses]).mean()
+
+
+def _stage_examples(pipe: Any, args: tuple, kwargs: dict) -> list[tuple[tuple[tuple, dict], tuple]]:
+    """Per stage: ((its positional inputs, its keyword inputs), its outputs) for one
+    microbatch, from the unsplit stage modules (step 2)."""
+    out = []
+    ins: tuple = tuple(args)
+    kw = dict(kwargs)
+    with torch.no_grad():
+        for i in range(pipe.num_stages):
+            result = pipe.get_stage_module(i)(*ins, **kw)
+            # floating activations carry gradients between stages: PipelineStage reads
+            # requires_grad off these examples to decide what it sends back
+            outs = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                         for x in (result if isinstance(result, tuple) else (result,)))
+            out.append(((ins, kw), outs))
+            ins, kw = outs, {}
+    return out
