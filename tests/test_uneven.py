@@ -7,7 +7,7 @@ such a plan matches the single-device model.
    a mean (P(avg)), no.
 3. In the mesh simulator: batch 3 on a 2-way axis (an MLP, and Llama's whole decoder),
    a vocabulary of 1001 on 4 ranks (GPT-2, Llama: embedding rows, LM head rows and
-   logits), an MLP with no even dim, each node preferring an uneven strategy where it
+   logits), both at once on a (2, 2) mesh, an MLP with no even dim, each node preferring an uneven strategy where it
    has one; outputs and every gradient. The solver picks uneven splits where no even
    one exists.
 4. On real gloo ranks (one spawn of 2): the padded collectives; compiled uneven plans
@@ -174,12 +174,14 @@ CASES = {  # name: (build, mesh, which strategies each node prefers)
     "odd-mlp-2": (odd_mlp, (2,), is_uneven),
     "gpt2-vocab1001-4": (gpt2_vocab, (4,), is_uneven),
     "llama-batch3-2": (lambda: zoo.build("llama-tiny", batch=3, seq=8, training=True), (2,), is_batch3),
+    "llama-batch3-vocab1001-2x2": (lambda: zoo.build("llama-tiny", batch=3, seq=8, training=True, vocab_size=1001),
+                                   (2, 2), is_uneven),
     "llama-vocab1001-4": (lambda: zoo.build("llama-tiny", batch=2, seq=8, training=True, vocab_size=1001), (4,),
                           is_uneven),
 }
 
 
-SLOW_SIMULATED = {"gpt2-vocab1001-4"}  # also on gloo ranks below; the fast set keeps Llama's vocabulary
+SLOW_SIMULATED = {"gpt2-vocab1001-4", "llama-batch3-vocab1001-2x2"}  # the fast set keeps the 1-D Llama cases
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SIMULATED else n
