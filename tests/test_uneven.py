@@ -100,6 +100,12 @@ def test_uneven_kept_where_exact_and_refused_where_not():
     _, views = _strategies(aten.view.default, (x, [24, 5]))
     assert [str(s) for s in views if str(s.inputs[0]) == "S(0)"] == []  # 3 rows merged into 24: chunks differ
     assert any(str(s.inputs[0]) == "S(2)" for s in views)  # the 5 columns survive whole
+    # 7 heads of 8 over 4 ranks: blocks of 2, 2, 2, 1 heads are 16, 16, 16, 8 columns, not
+    # chunks of 56; neither the split into heads nor the merge back is offered unevenly
+    _, heads = _strategies(aten.view.default, (torch.randn(2, 8, 56), [2, 8, 7, 8]), mesh=(4,))
+    _, merged = _strategies(aten.view.default, (torch.randn(2, 8, 7, 8), [2, 8, 56]), mesh=(4,))
+    assert not any(sp.uneven_axes((4,)) for s in heads + merged for sp in s.inputs + s.outputs)
+    assert any(str(s) == "(S(1))->S(1)" for s in heads)  # the sequence split (even) stays
     _, means = _strategies(aten.mean.dim, (x, [0]))
     assert "(S(0))->P(avg)" not in {str(s) for s in means}  # the mean of unequal blocks' means is not the mean
     assert Partial("avg") in {s.outputs[0].placements[0] for s in means}  # an average input still passes
