@@ -26,7 +26,8 @@ Schema version 1 (keys of the top-level object):
                       its collectives were priced with (absent in older files: none recorded)
     nodes             [{name, op, kind, module, group, inputs: [spec], outputs: [spec], compute_s,
                         alternatives, options: [{inputs: ["S(0)R", ..], outputs: [..], compute_s,
-                        reshard_in_s, reshard_out_s}]}]  (option placements over the node's metas)
+                        reshard_in_s, reshard_out_s}], saved: [bool] per output kept for backward
+                        (training; absent: all counted)}]  (option placements over the node's metas)
     edges             [{producer, index, consumer, position, comm_s, steps: [step]}]
     collectives       [{kind, axis, nbytes, producer, consumer, backward}]: forward order, for readers
     spec              {placements: ["S(0)", "R"], shape: [..], dtype: "float32"}
@@ -93,7 +94,7 @@ def _node_to_json(n: NodeChoice) -> dict:
             "compute_s": n.compute_s, "alternatives": n.alternatives,
             "options": [{"inputs": [str(s) for s in a.inputs], "outputs": [str(s) for s in a.outputs],
                          "compute_s": a.compute_s, "reshard_in_s": a.reshard_in_s, "reshard_out_s": a.reshard_out_s}
-                        for a in n.options]}
+                        for a in n.options], **({"saved": list(n.saved)} if n.saved else {})}
 
 
 def _node_kind(n: dict) -> NodeKind:
@@ -110,7 +111,7 @@ def _node_from_json(n: dict) -> NodeChoice:
     op = "placeholder" if kind.is_input else n["op"]
     return NodeChoice(n["name"], op, tuple(map(spec_from_json, n["inputs"])), tuple(map(spec_from_json, n["outputs"])),
                       float(n["compute_s"]), int(n["alternatives"]), n.get("module", ""), _options(n),
-                      n.get("group", ""), kind)
+                      n.get("group", ""), kind, tuple(bool(k) for k in n.get("saved", ())))
 
 
 def plan_to_dict(plan: Any) -> dict:

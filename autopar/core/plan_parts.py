@@ -51,6 +51,7 @@ class NodeChoice:
     options: tuple[Alternative, ...] = ()  # what the solver could pick (see Plan.explain)
     group: str = ""  # the decision group's leader (a follower moves with it)
     kind: NodeKind = NodeKind.OP  # graph input (which kind), getitem, output, or an op
+    saved: tuple[bool, ...] = ()  # training: per output, whether backward keeps it (empty: all counted)
 
     def __str__(self) -> str:
         return f"{self.name}: {strategy_label(self.inputs, self.outputs)}"
