@@ -59,3 +59,10 @@ def dispatch_mode() -> type:
     op's inputs and outputs (autopar/tools/memory_meter.py)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     return TorchDispatchMode
+
+
+def fake_mode() -> Any:
+    """A fresh FakeTensorMode (a private module): tensors with shapes and no data
+    (passes/saved.py runs a graph on them to see what autograd saves)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)

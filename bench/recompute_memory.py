@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from autopar import _compat  # noqa: E402
 from autopar.core.errors import MemoryBudgetError  # noqa: E402
+from autopar.core.kinds import NodeKind  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
 from autopar.passes.emit import emit, local_inputs  # noqa: E402
@@ -51,7 +52,7 @@ def kept_per_rank(model, args, kwargs, traced, plan) -> float:
     state = {k: v.detach() for k, v in {**dict(model.named_parameters(remove_duplicate=False)),
                                         **dict(model.named_buffers(remove_duplicate=False))}.items()}
     programs = [emit(traced, plan, plan.mesh.coords(r)) for r in range(plan.mesh.size)]
-    feeds = [[t.requires_grad_(gi.kind.is_state and t.is_floating_point()) for gi, t in
+    feeds = [[t.requires_grad_(gi.kind is NodeKind.PARAMETER and t.is_floating_point()) for gi, t in
               zip(p.inputs, local_inputs(p, state, traced.constants, flatten_inputs(args, kwargs)[0],
                                          plan.mesh.shape, state_is_local=False))] for p in programs]
     _, kept = kept_bytes(lambda: [loss_of(_compat.tree_unflatten(traced.user_outputs(o), traced.out_spec))

@@ -60,7 +60,8 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
         if n.kind.computes:
             target = op_target(n.op, n.name)
             compute_s += costs.op_cost(target, n.inputs, n.outputs).compute_s
-        memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes)
+        memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes,
+                             n.saved)
     comm_s = sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
     again = recompute_terms(plan.nodes, plan.edges, plan.recompute, costs)
     return Evaluation(compute_s + again.compute_s, comm_s + again.comm_s, memory + again.memory_bytes)
@@ -85,6 +86,6 @@ def recompute_terms(nodes: Sequence[NodeChoice], edges: Sequence[EdgePlan], bloc
             if target is not None:
                 compute_s += forward.op_cost(target, n.inputs, n.outputs).compute_s
             if name not in read_outside:
-                dropped += node_bytes(n.kind, target, n.outputs, costs.mesh_shape, costs.training, 0)
+                dropped += node_bytes(n.kind, target, n.outputs, costs.mesh_shape, costs.training, 0, n.saved)
         comm_s += sum(forward.steps_cost(e.steps).total_s for e in edges if e.consumer in inside)
     return Evaluation(compute_s, comm_s, -dropped)

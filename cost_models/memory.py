@@ -4,14 +4,16 @@
                  (AdamW: two fp32 values per element, Options.optimizer_state_bytes)
     buffer       local shard
     user input   local block
-    op           its local outputs (views excepted); in training these are the saved
-                 activations, in inference an upper bound of what is live at once
+    op           its local outputs (views excepted); in training the saved activations:
+                 only the outputs autograd keeps for backward where `saved` says which
+                 (passes/saved.py), else all of them (an upper bound); in inference an
+                 upper bound of what is live at once
 """
 
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Spec
@@ -19,7 +21,8 @@ from autopar.cost_models.compute import VIEWS
 
 
 def node_bytes(kind: NodeKind, target: Optional[Any], outputs: tuple[Spec, ...], mesh_shape: tuple[int, ...],
-               training: bool, optimizer_state_bytes: int) -> int:
+               training: bool, optimizer_state_bytes: int, saved: Sequence[bool] = ()) -> int:
+    """`saved`: per output, whether backward keeps it (training only; empty: all)."""
     if kind is NodeKind.PARAMETER:
         spec = outputs[0]
         local = spec.local_nbytes(mesh_shape)
@@ -30,4 +33,6 @@ def node_bytes(kind: NodeKind, target: Optional[Any], outputs: tuple[Spec, ...],
         return outputs[0].local_nbytes(mesh_shape)
     if target is None or target in VIEWS:
         return 0
+    if training and saved:
+        return sum(s.local_nbytes(mesh_shape) for s, kept in zip(outputs, saved) if kept)
     return sum(s.local_nbytes(mesh_shape) for s in outputs)

@@ -47,6 +47,7 @@ from autopar.passes.dominance import prefer_smaller, prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
 from autopar.passes.recompute_ilp import block_terms
+from autopar.passes.saved import saved_outputs
 from autopar.passes.rules import Strategy
 from autopar.passes.solver_backend import Solution, SolveStatus, solve_program, solver_name
 from autopar.passes.strategies import AnnotatedGraph, PlannedNode
@@ -65,9 +66,17 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
 
 
 def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
+    """Bytes per rank of every node's strategies; in training an op counts the outputs
+    autograd keeps for backward (passes/saved.py)."""
+    kept = _kept(graph, costs)
     return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
-                                costs.training, options.optimizer_state_bytes) for s in n.strategies]
+                                costs.training, options.optimizer_state_bytes, kept.get(n.name, ()))
+                     for s in n.strategies]
             for n in graph.nodes}
+
+
+def _kept(graph: AnnotatedGraph, costs: CostModel) -> dict[str, tuple[bool, ...]]:
+    return saved_outputs(graph.traced) if costs.training else {}
 
 
 # ---- 2. groups ---------------------------------------------------------------------
@@ -290,6 +299,7 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
     for n in graph.nodes:
         for pos, (u, k) in enumerate(n.inputs):
             consumers.setdefault(u, []).append((n, pos, k))
+    kept = _kept(graph, costs)
     for n in graph.nodes:
         s = chosen[n.name]
         c = compute[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
@@ -297,7 +307,7 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
         options = tuple(_alternative(n, alt, compute[n.name][i], chosen, consumers, pricer)
                         for i, alt in enumerate(n.strategies))
         nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
-                                groups[n.name].leader, n.kind))
+                                groups[n.name].leader, n.kind, kept.get(n.name, ())))
         nbytes = memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
         if n.kind.is_state or n.kind is NodeKind.CONSTANT:
             param_bytes += s.outputs[0].local_nbytes(mesh)

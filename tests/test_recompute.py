@@ -15,6 +15,7 @@ import torch
 
 from autopar import _compat
 from autopar.core.errors import MemoryBudgetError
+from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.plan import Plan
@@ -101,14 +102,18 @@ def test_plan_json_round_trip(llama4, tmp_path):
 
 def test_saved_bytes_drop_as_measured(llama4):
     """Bytes the forward leaves for backward (autopar/tools/memory_meter.py), one device:
-    recompute drops them, by more than half of what the plan predicts. Not within 20 %:
-    the plan counts every op output as saved, autograd keeps 60-70 % of them
-    (bench/recompute_memory.py prints the figures)."""
+    recompute drops them as the plan predicts, within 20 %, and the plan's saved bytes
+    without recompute are within 20 % of the measure (passes/saved.py decides which
+    outputs count). The recomputing plan alone is not asserted: checkpoint also keeps
+    region inputs no op saves (the attention mask) and an RNG state per region, which
+    the plan does not count (bench/recompute_memory.py prints all three ratios)."""
     model, args, kwargs, traced, free, smallest = llama4
     tight = _plan(traced, (1,), memory_budget_bytes=smallest)
     kept_free, kept_tight = _kept(model, args, kwargs, traced, free), _kept(model, args, kwargs, traced, tight)
     assert kept_tight < 0.3 * kept_free
-    assert kept_free - kept_tight >= 0.5 * (free.activation_bytes - tight.activation_bytes)
+    drop = (kept_free - kept_tight) / (free.activation_bytes - tight.activation_bytes)
+    assert 0.8 <= drop <= 1.2, (drop, kept_free, kept_tight, free.activation_bytes, tight.activation_bytes)
+    assert 0.8 <= kept_free / free.activation_bytes <= 1.2, (kept_free, free.activation_bytes)
 
 
 def _kept(model, args, kwargs, traced, plan: Plan) -> float:
@@ -116,7 +121,7 @@ def _kept(model, args, kwargs, traced, plan: Plan) -> float:
     state = {k: v.detach() for k, v in {**dict(model.named_parameters(remove_duplicate=False)),
                                         **dict(model.named_buffers(remove_duplicate=False))}.items()}
     programs = [emit(traced, plan, plan.mesh.coords(r)) for r in range(plan.mesh.size)]
-    feeds = [[t.requires_grad_(gi.kind.is_state and t.is_floating_point()) for gi, t in
+    feeds = [[t.requires_grad_(gi.kind is NodeKind.PARAMETER and t.is_floating_point()) for gi, t in
               zip(p.inputs, local_inputs(p, state, traced.constants, flatten_inputs(args, kwargs)[0],
                                          plan.mesh.shape, state_is_local=False))] for p in programs]
     losses, kept = kept_bytes(lambda: [loss_of(_compat.tree_unflatten(traced.user_outputs(o), traced.out_spec))
@@ -140,7 +145,7 @@ def two_way():
 
 def test_recompute_or_shard_the_cheaper_wins(two_way, monkeypatch):
     *_, traced, free = two_way["llama"]
-    budget = int(free.memory_bytes * 0.9)
+    budget = int(free.memory_bytes * 0.8)
     plan = _plan(traced, (2,), memory_budget_bytes=budget)
     monkeypatch.setattr(solve_module, "block_terms", lambda *a, **k: ())  # the ILP without recompute
     shard_only = _plan(traced, (2,), memory_budget_bytes=budget)
