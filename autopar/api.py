@@ -13,6 +13,7 @@ from autopar.core.dynamic import Dynamic
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh, check_node_layout
 from autopar.core.options import Options
+from autopar.core.pipeline import PipelineError
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
 from autopar.passes import pipeline, planning
@@ -23,6 +24,7 @@ from autopar.runtime.dynamic_programs import DynamicPrograms
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline import PipelinedModule
 from autopar.runtime.resume import (CheckpointManifest, latest_checkpoint,  # noqa: F401 - re-exported
                                     load_training_checkpoint, resume, save_training_checkpoint)
 
@@ -32,7 +34,8 @@ __all__ = ["CheckpointManifest", "compile", "compile_for_generation", "latest_ch
 
 def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dict] = None, *,
             mesh: Any, options: Optional[Options] = None, plan: Any = None,
-            materialize_on: Any = None, **option_overrides: Any) -> ParallelModule:
+            materialize_on: Any = None, loss_fn: Any = None,
+            **option_overrides: Any) -> "ParallelModule | PipelinedModule":
     """Parallelise `model` over `mesh` on the initialised process group.
 
     Without `args`/`kwargs` it is traced and planned at the first call (per input
@@ -47,8 +50,13 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     `dynamic=True` (or autopar.Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s))) traces
     batch and sequence dims as symbolic: one trace and one plan serve every size in the
     range (autopar/core/dynamic.py; pm.plans lists what was planned).
+    `pipeline_axis=` (an axis or "auto"), `microbatches=`, `pipeline_schedule=`: a
+    PipelinedModule whose stages run under torch.distributed.pipelining; it needs example
+    inputs and `loss_fn(output, target)`, and pipe.step(*args, target=..., **kwargs) trains.
     """
     opts = options_with(options, option_overrides)
+    if opts.pipeline_axis is not None:  # autopar/runtime/pipeline.py
+        return _pipelined(model, args, kwargs, Mesh.of(mesh), opts, plan, loss_fn)
     check_launch_layout(Mesh.of(mesh), opts.nodes)
     pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on)
     if args is not None or kwargs is not None:
@@ -56,6 +64,18 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
             args = (args,)
         pm.prepare(tuple(args or ()), kwargs or {})
     return pm
+
+
+def _pipelined(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, opts: Options, plan: Any,
+               loss_fn: Any) -> PipelinedModule:
+    if loss_fn is None or (args is None and kwargs is None):
+        raise PipelineError(f"pipeline_axis={opts.pipeline_axis!r} needs example inputs and a loss: "
+                            "autopar.compile(model, args, kwargs, mesh=..., pipeline_axis=..., loss_fn=fn) with "
+                            "fn(output, target) -> loss (the schedule runs it on the last stage)")
+    check_launch_layout(mesh, opts.nodes)
+    given = Plan.from_json(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    args = tuple(args) if isinstance(args, (tuple, list)) else (() if args is None else (args,))
+    return PipelinedModule(model, args, dict(kwargs or {}), mesh, opts, loss_fn, given)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),

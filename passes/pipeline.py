@@ -212,7 +212,7 @@ class SubMeshSolves:
 
     def __call__(self, mesh: Mesh, axis: int) -> tuple[AnnotatedGraph, Plan]:
         sub = stage_mesh(mesh, axis)
-        options = _stage_options(self.options, mesh, sub)
+        options = _stage_options(self.options, mesh, axis)
         key = (sub.shape, options.nodes)
         if key not in self._done:
             graph = annotate(self.traced, sub, None, options.discover_rules)
@@ -220,12 +220,16 @@ class SubMeshSolves:
         return self._done[key]
 
 
-def _stage_options(options: Options, mesh: Mesh, sub: Mesh) -> Options:
-    """The sub-mesh keeps the mesh's ranks per node (Options.nodes), so its axes are priced
-    with the links they use (exact when the pipeline axis is the outermost)."""
-    per_node = mesh.size // max(options.nodes, 1)
-    nodes = sub.size // per_node if per_node and sub.size % per_node == 0 else 1
-    return replace(options, nodes=max(nodes, 1))
+def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
+    """Options for the sub-mesh solve, with the node count that gives each remaining axis
+    the link kind (intra- or inter-node) it has in the whole mesh on Options.nodes nodes
+    (the smallest such count; one node if none does)."""
+    sub = stage_mesh(mesh, axis)
+    want = tuple(k for a, k in enumerate(mesh.link_kinds(options.nodes)) if a != axis) or sub.link_kinds(1)
+    for nodes in range(1, sub.size + 1):
+        if sub.size % nodes == 0 and sub.link_kinds(nodes) == want:
+            return replace(options, nodes=nodes)
+    return replace(options, nodes=1)
 
 
 def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:

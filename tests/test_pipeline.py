@@ -73,6 +73,8 @@ def test_bad_requests_name_the_value_and_the_fix():
         autopar.plan(model, (), kw, mesh=(4, 1), pipeline_axis=0, microbatches=2)
     with pytest.raises(PipelineError, match=r"pipeline_axis=2 is not an axis of mesh \(2, 2\)"):
         autopar.plan(model, (), kw, mesh=(2, 2), pipeline_axis=2)
+    with pytest.raises(PipelineError, match=r"needs example inputs and a loss"):
+        autopar.compile(model, mesh=(2, 2), pipeline_axis=0, microbatches=2)
     with pytest.raises(PipelineError, match=r"schedule 'zigzag' is not known"):
         autopar.Options(pipeline_schedule="zigzag")
 
@@ -102,7 +104,10 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     from autopar.tools.simulated import CHEAP_COMM  # cheap links: the stages' plans split their inputs
     options = autopar.Options(pipeline_axis=axis, microbatches=microbatches, pipeline_schedule=schedule,
                               training=True, device=CHEAP_COMM)
-    pipe = PipelinedModule(model, (), {"input_ids": ids}, Mesh.of(mesh), options, lm_loss)
+    pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=mesh, options=options, loss_fn=lm_loss)
+    assert isinstance(pipe, PipelinedModule)
+    with pytest.raises(PipelineError, match="microbatches=2 does not divide the batch"):
+        pipe.step(input_ids=ids[:3], target=ids[:3])
     loss = pipe.step(input_ids=ids, target=ids)
     grads = {}
     for stage in pipe.stages:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining as pp
 
+from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.pipeline import Schedule
@@ -97,6 +98,9 @@ class PipelinedModule:
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
                  loss_fn: Callable[..., torch.Tensor], plan: Optional[Plan] = None) -> None:
         check_world(mesh)
+        if plan is not None and plan.mesh != mesh:
+            raise MeshError(f"the given plan is for mesh {plan.mesh.shape}, not {mesh.shape}; plan again for this "
+                            "mesh or pass the mesh it was made for")
         self.mesh, self.options, self.loss_fn = mesh, options, loss_fn
         self.plan = plan if plan is not None else agreed(lambda: plan_model(model, args, kwargs, mesh, options))
         self.stages: list[StageModule] = []
@@ -149,6 +153,8 @@ class PipelinedModule:
             loss = self.loss_fn(self.plain(*args, **kwargs), target)
             loss.backward()
             return loss.detach()
+        if args or kwargs:  # a clear PipelineError where torch would fail to chunk them
+            microbatch_inputs(args, kwargs, self.plan.pipeline.microbatches)
         losses: list = []
         first = self.plan.pipeline.stages[0].rank == self.mesh.coords(dist.get_rank())[self.plan.pipeline.axis]
         if not first:  # torch hands the inputs to every stage this rank runs: only the first takes them
