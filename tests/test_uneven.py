@@ -250,6 +250,7 @@ def _state_round_trips(pm, rank: int) -> dict:
     """load_full_state_dict, safetensors and DCP with the uneven parameter shards."""
     import torch.distributed as dist
     from safetensors.torch import save_file
+    from autopar.runtime.resume import resume, save_training_checkpoint
     from autopar.runtime.state import full_state_dict
     shifted = {k: v + 1 for k, v in full_state_dict(pm).items()}
     pm.load_full_state_dict(shifted)
@@ -265,8 +266,22 @@ def _state_round_trips(pm, rank: int) -> dict:
     pm.save_checkpoint(os.path.join(tmp[0], "ckpt"))
     pm.load_full_state_dict({k: torch.zeros_like(v) for k, v in shifted.items()})
     pm.load_checkpoint(os.path.join(tmp[0], "ckpt"))
+    after_dcp = full_state_dict(pm)
+    # optimiser state of uneven shards through a training checkpoint
+    opt = torch.optim.Adam(pm.parameters(), lr=0.01)
+    (x,), _ = odd_mlp()[1:]
+    loss_of(pm(x)).backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in full_state_dict(pm).items()}
+    moments = [opt.state[p]["exp_avg"].clone() for p in pm.parameters()]
+    save_training_checkpoint(pm, opt, os.path.join(tmp[0], "train"), step=1)
+    loss_of(pm(x)).backward()
+    opt.step()  # moves the weights and moments on; resume must bring both back
+    resume(pm, opt, os.path.join(tmp[0], "train"))
     return {"shifted": shifted, "after_load": after_load, "after_safetensors": after_safetensors,
-            "after_dcp": full_state_dict(pm), "specs": {k: str(s) for k, s in pm.state_specs.items()}}
+            "after_dcp": after_dcp, "specs": {k: str(s) for k, s in pm.state_specs.items()},
+            "saved": saved, "resumed": full_state_dict(pm),
+            "moments_equal": all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(pm.parameters(), moments))}
 
 
 def _reference(which: str):
@@ -306,3 +321,5 @@ def test_uneven_shards_on_gloo_ranks():
             torch.testing.assert_close(mlp["after_load"][k], v)
             torch.testing.assert_close(mlp["after_safetensors"][k], v * 2)
             torch.testing.assert_close(mlp["after_dcp"][k], v * 2)
+            torch.testing.assert_close(mlp["resumed"][k], mlp["saved"][k])
+        assert mlp["moments_equal"]
