@@ -28,6 +28,7 @@ import torch
 from torch import fx, nn
 
 from autopar import _compat
+from autopar.core.errors import PlanFileError
 from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.placement import Spec, block_index
 from autopar.core.resharding import Step
@@ -58,6 +59,7 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
     `defer_grad_sync`: leave data-parallel gradient syncs of parameters to the runtime's
     bucketed all-reduce (autopar/runtime/buckets.py) instead of emitting them. The steps are
     unbound (passes/program.py): the runtime binds them to its process groups."""
+    check_splits(plan)
     edges = {(e.consumer, e.position): e for e in plan.edges}
     choice = {n.name: n for n in plan.nodes}
     mesh_shape = plan.mesh.shape
@@ -131,6 +133,20 @@ class _Resharder:
             out = self.graph.call_module(f"{name}_wait", (out,))
             out.meta["autopar.step"] = step
         return out
+
+
+def check_splits(plan: Plan) -> None:
+    """Every split of the plan is one the collectives can serve: even, or torch.chunk
+    blocks of one mesh axis with no rank left empty (autopar/core/placement.py). The
+    planner makes only such splits; a hand-edited plan file may not, and would otherwise
+    run with wrong block sizes."""
+    for n in plan.nodes:
+        for spec in n.inputs + n.outputs:
+            if not spec.fits(plan.mesh.shape, uneven=True):
+                raise PlanFileError(
+                    f"plan node {n.name} ({n.op}) splits a tensor of shape {spec.meta.shape} as {spec} on mesh "
+                    f"{plan.mesh.shape}: a dim that does not divide may be split by one mesh axis only, into "
+                    "blocks that leave no rank empty. Re-plan, or edit the plan to split it so")
 
 
 def deferred_grad_syncs(traced: TracedGraph, plan: Plan) -> dict[str, tuple[int, ...]]:

@@ -212,6 +212,20 @@ def test_solver_splits_unevenly_where_no_even_split_exists():
     simulate_against(model, args, kwargs, traced, plan, context="odd MLP, solver's plan")
 
 
+def test_a_plan_with_an_unservable_split_is_refused_by_name():
+    """A hand-edited plan that cuts 6 rows over 4 ranks (the last would hold none) is a
+    PlanFileError naming the node, not a program with wrong blocks."""
+    from autopar.core.errors import PlanFileError
+    from autopar.passes.rewrite import rewrite
+    torch.manual_seed(0)
+    model, x = OddMLP(), torch.randn(6, 7)
+    traced, plan = uneven_plan(model, (x,), {}, (4,), want=None)
+    bad = Spec((Shard(0),), TensorMeta((6, 7), F32))
+    nodes = tuple(dataclasses.replace(n, outputs=(bad,)) if n.name == "input_0" else n for n in plan.nodes)
+    with pytest.raises(PlanFileError, match=r"input_0 .*\(6, 7\) as S\(0\) on mesh \(4,\)"):
+        rewrite(traced, dataclasses.replace(plan, nodes=nodes), coords=(0,))
+
+
 # ---- 4. gloo ranks -----------------------------------------------------------------------
 
 def padded_collectives(rank: int, world: int) -> dict:
