@@ -10,15 +10,15 @@ formulation, with followers and spec classes.
                   sum_o x[e,o,r] = sum_{j in r} s[gv,j]               for every r
     recompute     training under a budget only: blocks b (repeated layers, passes/clusters.py),
                   r[b] in {0,1}: b's activations are recomputed in backward, not kept
-                  A_b = sum_g sum_i a[b,g,i] s[g,i]       bytes of b's outputs read only inside b
-                  F_b = sum_g sum_i f[b,g,i] s[g,i] + sum_{e into b} sum_{o,r} F[e,o,r] x[e,o,r]
+                  w[b,g,i] = s[g,i] r[b]:  w <= s[g,i],  sum_i w[b,g,i] = r[b]
+                  v[b,e,o,r] = x[e,o,r] r[b]:  v <= x,  sum_{o,r} v[b,e,o,r] = r[b]   (e into b)
+                  D_b = sum_g sum_i a[b,g,i] w[b,g,i]     bytes of b's outputs read only inside b
+                  T_b = sum_g sum_i f[b,g,i] w[b,g,i] + sum_{e into b} sum_{o,r} F[e,o,r] v[b,e,o,r]
                                                           b's forward once more: compute, reshards
-                  y[b] >= A_b - Amax_b r[b],  y[b] >= 0   (kept bytes: A_b, or 0 recomputed)
-                  z[b] >= F_b - Fmax_b (1 - r[b]), z[b] >= 0   (rerun time: F_b recomputed, else 0)
                   r[b] >= r[b']                           b before b', twins (equal terms: symmetry)
-    memory        sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b]) <= budget   (Options.memory_budget_bytes)
-    objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r] + sum_b z[b]
-    or            min sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b])   (the smallest footprint)
+    memory        sum_g sum_i m[g,i] s[g,i] - sum_b D_b <= budget          (Options.memory_budget_bytes)
+    objective     min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r] + sum_b T_b
+    or            min sum_g sum_i m[g,i] s[g,i] - sum_b D_b                (the smallest footprint)
 
 one_hot, edge_consistency, recompute and memory_budget add the constraint families, time_objective
 and memory_objective are the two objectives, and build_ilp puts one ILP together;
@@ -37,9 +37,9 @@ Recompute: a[b,g,i] are the bytes m of g's members in b none of whose consumers 
 outside b (an output read outside b stays kept, as torch.utils.checkpoint keeps a
 region's inputs and outputs); f[b,g,i] their forward seconds (the training compute
 without its backward share) plus the forward steps of reshards inside g into b's nodes;
-F[e,o,r] the forward steps of R (passes/recompute_ilp.py prices them). y and z are exact
-linearisations of A_b (1 - r[b]) and F_b r[b]: y only bounds the budget row from above
-and z is minimised. Without a budget recompute only costs time, so no r is made.
+F[e,o,r] the forward steps of R (passes/recompute_ilp.py prices them). w and v are the exact
+products of a one-hot (s of a group, or the flows of an edge, which sum to 1) with r[b].
+Without a budget recompute only costs time, so no r is made.
 
 Clustering (passes/clusters.py): a group whose representative is another group reuses
 that group's s, and an edge whose two ends have the same representatives as an earlier
@@ -152,7 +152,7 @@ class IlpVariables:
     reshard: tuple[LinearTerms, ...]  # sum_{o,r} R[e,o,r] x[e,o,r] (microseconds) per IlpModel.edges; twins share one
     count: int  # variables created (a shared variable counts once)
     groups: int  # groups with their own s (after following and clustering)
-    recompute: RecomputeVariables = RecomputeVariables()  # r, y, z per IlpModel.blocks
+    recompute: RecomputeVariables = RecomputeVariables()  # r and its product terms per IlpModel.blocks
 
 
 @dataclass(frozen=True)
@@ -185,8 +185,8 @@ def one_hot(prob: LinearProgram, model: IlpModel) -> dict[str, tuple[Variable, .
 
 def memory_budget(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
                   budget_bytes: int, rec: RecomputeVariables = RecomputeVariables()) -> None:
-    """sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b]) <= budget (a copy's bytes count on
-    its representative's s; no blocks, no recompute terms)."""
+    """sum_g sum_i m[g,i] s[g,i] - sum_b D_b <= budget (a copy's bytes count on its
+    representative's s; no blocks, no recompute terms)."""
     prob.row(_memory_terms(model, s, rec).coef, -INF, float(budget_bytes))
 
 
@@ -197,12 +197,9 @@ def _memory_terms(model: IlpModel, s: Mapping[str, tuple[Variable, ...]], rec: R
         for i, var in enumerate(s[g]):
             if var is not None:
                 terms.add(var, float(model.nbytes[g][i]))
-    for block, y in zip(model.blocks, rec.kept):
-        for g, dropped in block.dropped.items():
-            for i, var in enumerate(s[g]):
-                if var is not None:
-                    terms.add(var, -float(dropped[i]))
-        terms.add(y, 1.0)
+    for dropped in rec.dropped:
+        for var, c in dropped.coef.items():
+            terms.add(var, -c)
     return terms
 
 
@@ -277,7 +274,7 @@ def edge_classes(edge: Edge, model: IlpModel, pricer: EdgePricer
 # ---- objectives --------------------------------------------------------------------
 
 def time_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
-    """min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r] + sum_b z[b], in
+    """min sum_g sum_i c[g,i] s[g,i] + sum_e sum_{o,r} R[e,o,r] x[e,o,r] + sum_b T_b, in
     microseconds; every copy of a group or an edge adds its own terms."""
     terms = LinearTerms()
     for g in model.leaders:
@@ -286,14 +283,14 @@ def time_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
                 terms.add(var, model.cost_s[g][i] * US)
     for edge_terms in v.reshard:
         terms.extend(edge_terms)
-    for z in v.recompute.rerun:
-        terms.add(z, 1.0)
+    for rerun in v.recompute.rerun:
+        terms.extend(rerun)
     return terms
 
 
 def memory_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
-    """min sum_g sum_i m[g,i] s[g,i] - sum_b (A_b - y[b]), in MiB: the smallest
-    footprint, whatever the time (every block that can recompute does)."""
+    """min sum_g sum_i m[g,i] s[g,i] - sum_b D_b, in MiB: the smallest footprint,
+    whatever the time (every block that can recompute does)."""
     terms = LinearTerms()
     for var, c in _memory_terms(model, v.s, v.recompute).coef.items():
         terms.add(var, c / MIB)
@@ -312,12 +309,14 @@ def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_o
     if budget_bytes is not None and not model.blocks:
         memory_budget(prob, model, s, budget_bytes)
     reshard, rerun, n_x = edge_consistency(prob, model, s, pricer, forward)
+    before = len(prob.cost)
     rec = recompute(prob, model, s, rerun) if model.blocks else RecomputeVariables()
+    n_r = len(prob.cost) - before
     if budget_bytes is not None and model.blocks:
         memory_budget(prob, model, s, budget_bytes, rec)
     own = [g for g in model.leaders if model.rep.get(g, g) == g]
     n_s = sum(var is not None for g in own for var in s[g])
-    variables = IlpVariables(s, reshard, n_s + n_x + 3 * len(rec.recomputed), len(own), rec)
+    variables = IlpVariables(s, reshard, n_s + n_x + n_r, len(own), rec)
     terms = objective(model, variables)
     prob.minimise(terms.coef, terms.constant)
     return Ilp(prob, variables)

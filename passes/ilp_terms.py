@@ -77,7 +77,7 @@ def link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: Matrix
                  ) -> tuple[LinearTerms, LinearTerms, int]:
     """An edge's constraints and cost terms, without x where a side has one class; with
     `with_forward` the entries of `matrix` are pairs (R, F) and the forward terms
-    sum F x come back too (else empty terms)."""
+    sum F x come back too, listing every x of the edge (else empty terms)."""
     cost = [[(p[0] if with_forward else p) for p in row] for row in matrix]
     fwd = [[(p[1] if with_forward else 0.0) for p in row] for row in matrix]
     terms, forward = LinearTerms(), LinearTerms()
@@ -100,7 +100,7 @@ def link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: Matrix
             if c < INF:
                 x = prob.column(binary=False)
                 terms.add(x, c * US)
-                forward.add(x, fwd[o][r] * US)
+                forward.coef[x] = fwd[o][r] * US  # zero too: every flow of the edge is listed
                 by_src[o][x] = by_dst[r][x] = 1.0
                 created += 1
     for coef in by_src + by_dst:  # sum of the flows = the marginal, as sum coef[v] v = 0

@@ -2,17 +2,19 @@
 per repeated block b a binary r[b], recompute b's activations in backward instead of
 keeping them, with its price in time and its saving in memory.
 
-    A_b = sum_g sum_i a[b,g,i] s[g,i]      bytes of b's outputs read only inside b
-    F_b = sum_g sum_i f[b,g,i] s[g,i] + sum_{e into b} F[e] . x[e]     b's forward again
-    y[b] >= A_b - Amax_b r[b],   y[b] >= 0            kept: A_b (1 - r[b])
-    z[b] >= F_b - Fmax_b (1 - r[b]),   z[b] >= 0       rerun: F_b r[b]
-    r[b] >= r[b']                                     twins b before b'
+    w[b,g,i] = s[g,i] r[b]:  w <= s[g,i],  sum_i w[b,g,i] = r[b]    (s one-hot in g)
+    v[b,e,k] = x[e,k] r[b]:  v <= x[e,k],  sum_k v[b,e,k] = r[b]    (x: e's flows, sum 1)
+    dropped bytes   sum_g sum_i a[b,g,i] w[b,g,i]         (b's outputs read only inside b)
+    rerun time      sum_g sum_i f[b,g,i] w[b,g,i] + sum_{e into b} (sum_k F[e,k] v[b,e,k] + F0[e] r[b])
+    r[b] >= r[b']                                         twins b before b'
 
 block_terms prices a[b,g,i] and f[b,g,i] (forward seconds of the block's ops under each
-choice, and the forward steps of reshards inside a group into them); recompute adds
-r, y, z and their rows. The memory row subtracts A_b and adds y[b]; the time objective
-adds z[b] (passes/ilp.py). Amax and Fmax are the largest values A_b and F_b take, so
-each row is slack on the side it does not bind.
+choice, and the forward steps of reshards inside a group into them); recompute adds r,
+w, v and their rows. The memory row subtracts the dropped bytes, the time objective
+adds the rerun time (passes/ilp.py). The products are exact for integral s, x and r (r
+= 0 forces w = v = 0; r = 1 makes them s and x) and tight: for fractional r the LP sees
+the dropped bytes and rerun time in proportion to r, where a big-M form would see far
+less (GPT-2 small (2, 4) at 0.3 of its free footprint: a 56 s solve with big-M rows).
 
 Why blocks and not single ops: a block is what torch.utils.checkpoint reruns as one
 region (passes/recompute.py), what Megatron-LM and torchtitan checkpoint by hand, and
@@ -48,11 +50,12 @@ class BlockTerms:
 
 @dataclass(frozen=True)
 class RecomputeVariables:
-    """Columns per IlpModel.blocks: r (binary), y (kept bytes), z (rerun microseconds)."""
+    """Per IlpModel.blocks: r (a column), the bytes recompute drops, sum a w, and the
+    time it adds, sum f w + sum F v + F0 r (in microseconds)."""
 
     recomputed: tuple[int, ...] = ()
-    kept: tuple[int, ...] = ()
-    rerun: tuple[int, ...] = ()
+    dropped: tuple[LinearTerms, ...] = ()
+    rerun: tuple[LinearTerms, ...] = ()
 
 
 def block_name(key: tuple[str, int]) -> str:
@@ -116,43 +119,58 @@ def _add_node(model: "IlpModel", name: str, kept: bool, forward: EdgePricer, for
 
 def recompute(prob: LinearProgram, model: "IlpModel", s: Mapping[str, tuple[Variable, ...]],
               rerun: Sequence[LinearTerms]) -> RecomputeVariables:
-    """r[b], y[b], z[b] and the rows of the module docstring, per block of `model`;
+    """r[b], the products w = s r[b] and v = x r[b] with their rows (module docstring),
+    and per block the terms sum a w (bytes) and sum f w + sum F v + F0 r (microseconds);
     `rerun`: the forward part of each edge's reshard terms (ilp.edge_consistency)."""
-    r, y, z = [], [], []
+    one_hot = {var: vars_ for g in model.leaders for vars_ in [s[g]] for var in vars_ if var is not None}
+    r: list[int] = []
+    dropped, again = [], []
     last_of_twins: dict[str, int] = {}
     for block in model.blocks:
-        rb, yb, zb = prob.column(binary=True), prob.column(binary=False), prob.column(binary=False)
-        a = _on_s(block.dropped, s, 1.0)
-        a_max = _bound(block.dropped, s)
-        prob.row({**{v: -c for v, c in a.coef.items()}, yb: 1.0, rb: a_max}, 0.0, INF)  # y - A + Amax r >= 0
-        f = _on_s(block.forward_s, s, US)
-        f_max = _bound(block.forward_s, s) * US
+        rb = prob.column(binary=True)
+        product: dict[int, int] = {}  # column c -> the column of c r[b]
+        kept, rerun_b = LinearTerms(), LinearTerms()
+        for per_group, terms, scale in ((block.dropped, kept, 1.0), (block.forward_s, rerun_b, US)):
+            for g, values in per_group.items():
+                for i, var in enumerate(s[g]):
+                    if var is not None and values[i]:
+                        terms.add(_times(prob, var, rb, one_hot[var], product), values[i] * scale)
         for k in block.edges:
-            f.extend(rerun[k])
-            f_max += rerun[k].constant + max(rerun[k].coef.values(), default=0.0)
-        f_max = max(f_max, f.constant)
-        coef = {v: -c for v, c in f.coef.items()}
-        coef[zb], coef[rb] = 1.0, -f_max
-        prob.row(coef, f.constant - f_max, INF)  # z - F + Fmax (1 - r) >= 0
+            if any(not prob.binary[c] for c in rerun[k].coef):
+                rerun_b.add(_flows_times_r(prob, rerun[k], rb), 1.0)
+                continue
+            rerun_b.add(rb, rerun[k].constant)
+            for c, coef in rerun[k].coef.items():
+                rerun_b.add(_times(prob, c, rb, one_hot[c], product), coef)
         if block.twin in last_of_twins:  # r[earlier twin] - r[b] >= 0
             prob.row({r[last_of_twins[block.twin]]: 1.0, rb: -1.0}, 0.0, INF)
         last_of_twins[block.twin] = len(r)
         r.append(rb)
-        y.append(yb)
-        z.append(zb)
-    return RecomputeVariables(tuple(r), tuple(y), tuple(z))
+        dropped.append(kept)
+        again.append(rerun_b)
+    return RecomputeVariables(tuple(r), tuple(dropped), tuple(again))
 
 
-def _on_s(per_group: Mapping[str, tuple[float, ...]], s: Mapping[str, tuple[Variable, ...]], scale: float) -> LinearTerms:
-    terms = LinearTerms()
-    for g, values in per_group.items():
-        for i, var in enumerate(s[g]):
-            if var is not None:
-                terms.add(var, values[i] * scale)
-    return terms
+def _flows_times_r(prob: LinearProgram, terms: LinearTerms, rb: int) -> int:
+    """A column z with z >= F - Fmax (1 - r[b]), z >= 0, for an edge's forward terms F on
+    its flows (at most one flow pair is chosen, so Fmax = F0 + the largest coefficient):
+    z = F r[b] where z is minimised. Big-M on purpose: exact products of an edge's
+    hundreds of flows made the ILP four times larger and slower."""
+    z = prob.column(binary=False)
+    f_max = terms.constant + max(terms.coef.values(), default=0.0)
+    prob.row({**{c: -v for c, v in terms.coef.items()}, z: 1.0, rb: -f_max}, terms.constant - f_max, INF)
+    return z
 
 
-def _bound(per_group: Mapping[str, tuple[float, ...]], s: Mapping[str, tuple[Variable, ...]]) -> float:
-    """The largest sum one choice per group can give (over the choices still possible)."""
-    return float(sum(max((values[i] for i, var in enumerate(s[g]) if var is not None), default=0)
-                     for g, values in per_group.items()))
+def _times(prob: LinearProgram, col: int, rb: int, family: Sequence[Variable], product: dict[int, int]) -> int:
+    """The column of col r[b]; made with its family's (the one-hot s of its group, or the
+    flows x of its edge, which sum to 1): w <= col for each, sum w = r[b]."""
+    if col not in product:
+        total = {rb: -1.0}
+        for c in family:
+            if c is not None:
+                product[c] = w = prob.column(binary=False)
+                prob.row({w: 1.0, c: -1.0}, -INF, 0.0)
+                total[w] = 1.0
+        prob.row(total, 0.0, 0.0)
+    return product[col]
