@@ -217,7 +217,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         links calibrated now if it lacks them (every rank takes part)."""
         if self.options.cost_model != "profile":
             return None
-        return profile_for_mesh(self._profile_path(), self.mesh, self.comms, self.device)
+        return profile_for_mesh(self._profile_path(), self.mesh, self.comms, self.device, self.options.nodes)
 
     def _profile_path(self) -> str:
         return self.options.profile_path or default_profile_path(self.device)
@@ -244,7 +244,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
         for key, compiled in self.programs.items():
             if key[:2] == (str(spec), repr(consts)) and key[3] == self.source_model.training and shapes == tuple(
-                    (s.local_shape(self.mesh.shape), s.meta.dtype) for s in _user_specs(compiled)):
+                    (s.local_shape_at(self.mesh.shape, self.coords), s.meta.dtype) for s in _user_specs(compiled)):
                 return compiled
         raise InputMismatchError(
             f"no plan takes local inputs of shapes {[s for s, _ in shapes]} on rank {self.rank}: call the module once "
