@@ -189,16 +189,70 @@ def recompute_on_ranks(rank: int, world: int, plan_path: str, steps: int = 2) ->
     return out
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, d: int = 32, h: int = 128) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class ResStack(torch.nn.Module):
+    """Residual MLP blocks: a large batch makes it data parallel, and its activations
+    (the ReLU outputs, inside each block) are what a budget must drop."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _stack_inputs(seed: int) -> torch.Tensor:
+    return torch.randn(2048, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def data_parallel_recompute(rank: int, world: int, plan_path: str) -> dict:
+    """Data-parallel blocks recomputed: two backwards accumulate; each parameter's
+    bucketed gradient all-reduce (deferred out of the program) must fire once per step."""
+    import copy
+    import autopar
+    from autopar.core.placement import local_chunk
+    model = ResStack().train()
+    reference = copy.deepcopy(model)
+    xs = [_stack_inputs(s) for s in (1, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(model, (xs[0],), mesh=(world,), plan=plan_path)
+    for x in xs:
+        (pm(x) ** 2).mean().backward()
+        (reference(x) ** 2).mean().backward()
+    grads = {k: (pm.shards.get_parameter(k).grad, local_chunk(p.grad, pm.state_specs[k], pm.mesh.shape, pm.coords))
+             for k, p in reference.named_parameters()}
+    return {"deferred": pm.current.program.gm.meta["autopar.deferred_grad_syncs"], "grads": grads,
+            "recomputed": sum(isinstance(m, Recomputed) for m in pm.current.program.gm.modules())}
+
+
 @pytest.mark.slow
 def test_gradients_match_one_device_on_gloo_ranks(two_way, tmp_path):
+    """One spawn: Llama with every block recomputed (sharded parameters gathered again in
+    backward) and a data-parallel residual stack with some blocks recomputed."""
     *_, traced, free = two_way["llama"]
     plan = _plan(traced, (2,), memory_budget_bytes=_smallest(traced, (2,)))
     assert plan.recompute
-    plan.to_json(tmp_path / "plan.json")
+    plan.to_json(tmp_path / "llama.json")
+    stack = _stack_plan()
+    stack.to_json(tmp_path / "stack.json")
     from tests.harness import run_ranks
-    for got in run_ranks(2, [(recompute_on_ranks, dict(plan_path=str(tmp_path / "plan.json")))])[0:2]:
-        (res,) = got
-        assert "error" not in res, res.get("error")
+    results = run_ranks(2, [(recompute_on_ranks, dict(plan_path=str(tmp_path / "llama.json"))),
+                            (data_parallel_recompute, dict(plan_path=str(tmp_path / "stack.json")))])
+    for res, dp in results:
+        assert "error" not in res and "error" not in dp, (res.get("error"), dp.get("error"))
         assert res["recomputed"] == len(plan.recompute)
         for step in res["steps"]:
             torch.testing.assert_close(step["loss"], res["ref_loss"], rtol=1e-5, atol=1e-6)
@@ -207,3 +261,18 @@ def test_gradients_match_one_device_on_gloo_ranks(two_way, tmp_path):
                     assert local is None or not local.any(), name
                 else:
                     torch.testing.assert_close(local, expect, msg=lambda m: f"{name} ({spec}): {m}")
+        assert dp["recomputed"] == len(stack.recompute) and len(dp["deferred"]) == 12
+        for name, (local, expect) in dp["grads"].items():
+            torch.testing.assert_close(local, expect, msg=lambda m: f"{name}: {m}")
+
+
+def _stack_plan() -> Plan:
+    """ResStack on 2 ranks, data parallel, under a budget that recomputes 1 or 2 of its 3 blocks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(ResStack().train(), (_stack_inputs(1),))
+    free = _plan(traced, (2,))
+    plan = _plan(traced, (2,), memory_budget_bytes=(free.memory_bytes + _smallest(traced, (2,))) // 2)
+    assert 0 < len(plan.recompute) < 3 and all(n.outputs[0].is_replicated() for n in plan.nodes
+                                                 if n.kind is NodeKind.PARAMETER)
+    return plan
