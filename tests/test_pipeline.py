@@ -87,7 +87,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, schedule: str,
-                  microbatches: int = 2, batch: int = 4) -> dict:
+                  microbatches: int = 2, batch: int = 4, layers: int = 2) -> dict:
     """This rank's loss and the full gradients of its stage's parameters (gathered over
     the stage's sub-mesh; returned by the sub-mesh's first rank), next to one device's."""
     import copy
@@ -95,8 +95,8 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     from autopar.runtime.pipeline import PipelinedModule
     from autopar.runtime.state import gather_full
     warnings.simplefilter("ignore")
-    layers = {"gpt2": {"n_layer": 2}, "llama": {"num_hidden_layers": 2}}[family]
-    model = build(family, **layers).train()
+    depth = {"gpt2": {"n_layer": layers}, "llama": {"num_hidden_layers": layers}}[family]
+    model = build(family, **depth).train()
     ids = inputs(family, batch=batch)[1]["input_ids"]
     ref = copy.deepcopy(model)
     ref_loss = lm_loss(ref(input_ids=ids).logits, ids)
@@ -106,7 +106,7 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
                               training=True, device=CHEAP_COMM)
     pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=mesh, options=options, loss_fn=lm_loss)
     assert isinstance(pipe, PipelinedModule)
-    with pytest.raises(PipelineError, match="microbatches=2 does not divide the batch"):
+    with pytest.raises(PipelineError, match=f"microbatches={microbatches} does not divide the batch"):
         pipe.step(input_ids=ids[:3], target=ids[:3])
     loss = pipe.step(input_ids=ids, target=ids)
     grads = {}
@@ -142,17 +142,37 @@ def _check_pipeline(results: list, case: int) -> None:
         torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def refused_case(rank: int, world: int) -> dict:
+    """Llama in 4 stages: its rotary tables, made before the first block, skip to every
+    stage, and torch cannot send their gradients back to several stages."""
+    warnings.simplefilter("ignore")
+    model = build("llama", num_hidden_layers=4).train()
+    ids = inputs("llama", batch=4)[1]["input_ids"]
+    try:
+        autopar.compile(model, (), {"input_ids": ids}, mesh=(4, 2), pipeline_axis=0, microbatches=2,
+                        training=True, loss_fn=lm_loss)
+    except PipelineError as e:
+        return {"refused": str(e)}
+    return {"refused": ""}
+
+
 @pytest.mark.slow
 def test_pipelined_losses_and_gradients_match_one_device():
-    """4 gloo ranks, one spawn: GPT-2 on (2, 2) pipelining axis 0 under 1F1B, Llama on
-    (2, 2) pipelining axis 1 under GPipe; each stage an autopar program on its 2 ranks."""
+    """8 gloo ranks, one spawn: GPT-2 with 4 layers on (4, 2) pipelining axis 0 under 1F1B
+    (4 stages on 2 ranks each; the mask stage 0 makes goes straight to stages 2 and 3),
+    Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2) sub-mesh);
+    Llama in 4 stages is refused with the value that skips stages named."""
     from tests.harness import run_ranks
-    cases = [(pipeline_case, dict(family="gpt2", mesh=(2, 2), axis=0, schedule="1f1b")),
-             (pipeline_case, dict(family="llama", mesh=(2, 2), axis=1, schedule="gpipe"))]
-    results = run_ranks(4, cases)
-    for i in range(len(cases)):
+    cases = [(pipeline_case, dict(family="gpt2", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
+                                  microbatches=4, batch=8)),
+             (pipeline_case, dict(family="llama", mesh=(2, 2, 2), axis=0, schedule="gpipe")),
+             (refused_case, {})]
+    results = run_ranks(8, cases)
+    for i in range(2):
         _check_pipeline(results, i)
-        assert results[0][i]["stages"] == [(0, 1), (1, 2)]
+    assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert results[0][1]["stages"] == [(0, 1), (1, 2)]
     # the stages' own plans split some input they receive, so the gradients sent back are
     # assembled from blocks (runtime/pipeline.py step 4), not merely passed through
-    assert sum(r[i]["split_inputs"] for r in results for i in range(len(cases))) > 0
+    assert sum(r[i]["split_inputs"] for r in results for i in range(2)) > 0
+    assert "is read by 3 stages" in results[0][2]["refused"] and "Use 2 stages" in results[0][2]["refused"]

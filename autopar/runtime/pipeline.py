@@ -10,8 +10,8 @@
    found that pipelining does not pay) runs as one ParallelModule over the whole mesh.
 2. Every rank makes the groups of every stage's sub-mesh and of the pipeline axis
    (groups.stage_groups), splits the model with torch's own pipeline() at the plan's
-   block boundaries, and runs one microbatch through the unsplit stage modules to learn
-   the shapes each stage receives and sends (PipelineStage then needs no inference).
+   block boundaries, and runs one microbatch through the split graph to learn what each
+   stage module is called with (its example inputs to trace and plan).
 3. Its stage module becomes a ParallelModule on the stage's sub-mesh (the ranks of that
    sub-mesh trace, solve and agree among themselves). Stage outputs are full tensors, so
    the next stage's ranks each receive the whole activation from their counterpart.
@@ -35,7 +35,7 @@ from torch.distributed import pipelining as pp
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.core.pipeline import Schedule
+from autopar.core.pipeline import PipelineError, Schedule
 from autopar.core.placement import Replicate
 from autopar.core.plan import Plan
 from autopar.passes.pipeline import microbatch_inputs, plan_model, stage_mesh
@@ -68,10 +68,17 @@ class StageModule(nn.Module):
     """What a PipelineStage runs: one stage's ParallelModule, its inputs' gradients made
     whole for the previous stage."""
 
-    def __init__(self, pm: ParallelModule, group: Any) -> None:
+    def __init__(self, pm: ParallelModule, group: Any, split: torch.fx.GraphModule) -> None:
         super().__init__()
         self.pm, self.group = pm, group
+        self.__dict__["split"] = split  # torch's stage module (not a submodule: its weights are not ours)
         self.replicas: tuple[int, ...] = ()
+        self.differentiable: tuple[bool, ...] = ()  # which outputs carry a gradient in torch's own stage
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The split stage's graph, whose placeholders and output torch's stage reads."""
+        return self.__dict__["split"].graph
 
     def prepare(self, args: tuple, kwargs: dict) -> None:
         """Trace and plan for one microbatch now (every rank of the sub-mesh together)."""
@@ -80,12 +87,24 @@ class StageModule(nn.Module):
         shape = self.pm.mesh.shape
         self.replicas = tuple(prod(n for p, n in zip(s.placements, shape) if isinstance(p, Replicate))
                               for s in specs)
+        with torch.enable_grad():  # torch sends a gradient back only for outputs that have one
+            inputs = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                           for x in args)
+            outs = self.__dict__["split"](*inputs, **kwargs)
+        self.differentiable = tuple(isinstance(o, torch.Tensor) and o.requires_grad
+                                    for o in (outs if isinstance(outs, tuple) else (outs,)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = tuple(_FullInputGrad.apply(x, self.group, r)
                      if isinstance(x, torch.Tensor) and x.requires_grad and self.pm.mesh.size > 1 else x
                      for x, r in zip(args, self.replicas + (1,) * len(args)))
-        return self.pm(*args, **kwargs)
+        out = self.pm(*args, **kwargs)
+        if not isinstance(out, tuple):
+            return out
+        # a value made from no parameter (a mask, rotary tables) leaves torch's stage without
+        # a gradient; autopar's may attach one, and torch cannot send it back to two stages
+        return tuple(o if keep or not isinstance(o, torch.Tensor) else o.detach()
+                     for o, keep in zip(out, self.differentiable + (True,) * len(out)))
 
 
 class PipelinedModule:
@@ -116,23 +135,24 @@ class PipelinedModule:
         p, mesh, device = self.plan.pipeline, self.mesh, torch.device("cpu")
         sub_groups, pipe_group = stage_groups(mesh, p.axis, device, self.options.collective_timeout_s)
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, p.microbatches)
-        split = {name: pp.SplitPoint.BEGINNING for name in p.split_points}
-        pipe = pp.pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs, split_spec=split)
-        examples = _stage_examples(pipe, mb_args, mb_kwargs)
+        pipe = split_model(model, mb_args, mb_kwargs, p.split_points)
+        examples = _stage_examples(pipe, mb_args, mb_kwargs, self.plan.training)
         coordinate = mesh.coords(dist.get_rank())[p.axis]
         stage_options = replace(self.options, pipeline_axis=None, microbatches=1)
         torch_stages = []
         for stage in p.stages:
             if stage.rank != coordinate:
                 continue
-            (ins, kw), outs = examples[stage.index]
-            pm = ParallelModule(pipe.get_stage_module(stage.index), stage_mesh(mesh, p.axis), stage_options,
-                                groups=sub_groups)
-            module = StageModule(pm, sub_groups.group)
+            # stage 0 is called as the user calls the model (keywords stay keywords)
+            ins, kw = (mb_args, mb_kwargs) if stage.index == 0 else examples[stage.index]
+            split = pipe.get_stage_module(stage.index)
+            pm = ParallelModule(split, stage_mesh(mesh, p.axis), stage_options, groups=sub_groups)
+            module = StageModule(pm, sub_groups.group, split)
             module.prepare(ins, kw)
             self.stages.append(module)
-            torch_stages.append(pp.PipelineStage(module, stage.index, len(p.stages), device, input_args=ins,
-                                                 output_args=outs, group=pipe_group))
+            # torch's stage for a pipeline() split: it routes every value to the stage that
+            # reads it (a mask made by stage 0 goes straight to stage 3), as the graph says
+            torch_stages.append(pp.build_stage(module, stage.index, pipe.info(), device, pipe_group))
         schedule = SCHEDULES[p.schedule]
         if p.schedule is Schedule.INTERLEAVED_1F1B:
             return schedule(torch_stages, n_microbatches=p.microbatches, loss_fn=self.loss_fn)
@@ -165,19 +185,54 @@ class PipelinedModule:
         return torch.stack([x.detach() for x in losses]).mean()
 
 
-def _stage_examples(pipe: Any, args: tuple, kwargs: dict) -> list[tuple[tuple[tuple, dict], tuple]]:
-    """Per stage: ((its positional inputs, its keyword inputs), its outputs) for one
-    microbatch, from the unsplit stage modules (step 2)."""
-    out = []
-    ins: tuple = tuple(args)
-    kw = dict(kwargs)
+def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, ...]) -> Any:
+    """torch's pipeline() split before each module path in `points`. pipeline() wraps the
+    forward of those modules in place; they are unwrapped again, so the user's model is
+    left as it was (and can be split again)."""
+    split = {name: pp.SplitPoint.BEGINNING for name in points}
+    try:
+        return pp.pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split)
+    finally:
+        for name in points:
+            module = model.get_submodule(name)
+            for attr in ("forward", "_orig_forward"):
+                module.__dict__.pop(attr, None)
+
+
+class _StageInputs(torch.fx.Interpreter):
+    """Runs the split graph once, recording what each stage module is called with and
+    every value the graph passes between stages."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.calls: list[tuple[tuple, dict]] = []
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.values[n.name] = out = super().run_node(n)
+        return out
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        self.calls.append((tuple(args), dict(kwargs)))
+        return super().call_module(target, args, kwargs)
+
+
+def _stage_examples(pipe: Any, args: tuple, kwargs: dict, training: bool) -> list[tuple[tuple, dict]]:
+    """Per stage: (its positional inputs, its keyword inputs) for one microbatch (step 2).
+    In training, a PipelineError where torch could not send a gradient back: a floating
+    value that skips stages (read by more than one later stage)."""
+    placeholders = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
+    values = list(args) + [kwargs[name] for name in placeholders[len(args):]]
+    recorder = _StageInputs(pipe.split_gm)
     with torch.no_grad():
-        for i in range(pipe.num_stages):
-            result = pipe.get_stage_module(i)(*ins, **kw)
-            # floating activations carry gradients between stages: PipelineStage reads
-            # requires_grad off these examples to decide what it sends back
-            outs = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-                         for x in (result if isinstance(result, tuple) else (result,)))
-            out.append(((ins, kw), outs))
-            ins, kw = outs, {}
-    return out
+        recorder.run(*values)
+    for node in pipe.split_gm.graph.nodes:
+        readers = [u.name for u in node.users if u.op == "call_module"]
+        value = recorder.values.get(node.name)
+        if training and len(readers) > 1 and isinstance(value, torch.Tensor) and value.is_floating_point():
+            raise PipelineError(
+                f"value {node.name} (shape {tuple(value.shape)}, {value.dtype}) made before the stages is read by "
+                f"{len(readers)} stages ({', '.join(readers)}); torch.distributed.pipelining cannot send its "
+                "gradient back to more than one stage in training ('skip connections'). Use 2 stages (a pipeline "
+                "axis of size 2), or plan without pipeline_axis")
+    return recorder.calls
