@@ -16,7 +16,11 @@ more bytes when memory counts (under a budget, the only case the memory objectiv
 solved), and j comes first in the order (potential, index), the potential being
 sum c + sum_e mean over the other end's classes of R: D(j,i) <= 0 implies j's potential
 is no larger, so the order loses no pruning of a strictly better j, and it makes
-"beats" acyclic. Why this keeps the optimum: D is subadditive (D(k,i) <= D(k,j) +
+"beats" acyclic. With recompute (passes/recompute_ilp.py) a choice's forward seconds f
+and dropped bytes a price too: j must also have f(j) <= f(i), kept bytes m - a no larger
+(the bytes when its block recomputes), and on every edge into a block a forward price F
+no worse against any class the other end can pick (edge by edge, as each block's r
+takes its own edges). Why this keeps the optimum: D is subadditive (D(k,i) <= D(k,j) +
 D(j,i)), so a chain of beats ends at a surviving choice that beats the start; swapping
 groups one at a time to their surviving dominators never raises the cost (an edge
 between two copies of g changes on both ends and is bounded by both terms), so pruning
@@ -28,24 +32,24 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from autopar.cost_models.edge_prices import INF, EdgePricer
-from autopar.passes.ilp import IlpModel, edge_classes
+from autopar.passes.ilp import IlpModel, edge_classes, forward_prices
 
 MAX_CELLS = 1 << 24  # compare at most this many profile entries at once (a few tens of MB)
 
 
 def prune_dominated(model: IlpModel, pricer: EdgePricer, with_memory: bool,
-                    keep: frozenset[str] = frozenset()) -> IlpModel:
+                    forward: Optional[EdgePricer] = None) -> IlpModel:
     """`model` with its dominated choices made impossible (module docstring); `with_memory`:
-    a choice must also need no more bytes to dominate. The groups in `keep` keep every
-    choice: their choices also price terms D(j,i) does not bound (recompute's forward
-    seconds and dropped bytes, passes/recompute_ilp.py)."""
+    a choice must also need no more bytes to dominate; `forward`: the forward-only pricer
+    of the recompute terms, where the model has blocks."""
     with _one_thread():
-        return _prune(model, pricer, with_memory, keep)
+        extra = _recompute_terms(model, pricer, forward) if forward is not None and model.blocks else None
+        return _prune(model, pricer, with_memory, extra)
 
 
 @contextmanager
@@ -61,22 +65,22 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool, keep: frozenset[str]) -> IlpModel:
+def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool, extra: Optional["RecomputeTerms"]) -> IlpModel:
     time_s, nbytes = _own_terms(model)
     edges = _by_group(_edge_tables(model, pricer))
     alive = {g: torch.tensor([c < INF for c in model.cost_s[g]]) for g in time_s}
     neighbours = {g: {t.consumer if produces else t.producer for t, produces in touching}
                   for g, touching in edges.items()}
-    todo = [g for g in time_s if g not in keep]
+    todo = list(time_s)
     while todo:
         # a group's verdict depends on its neighbours' live choices only (losing its own
         # beaten choices beats nothing new), so a round revisits the neighbours of the
         # groups the last one pruned: the same fixed point as revisiting every group
-        pruned = {g: _beaten(g, time_s[g], nbytes[g] if with_memory else None, edges, alive) for g in todo}
+        pruned = {g: _beaten(g, time_s[g], nbytes[g] if with_memory else None, edges, alive, extra) for g in todo}
         changed = {g for g, choices in pruned.items() if choices}
         for g in changed:
             alive[g][pruned[g]] = False
-        todo = [g for g in time_s if g not in keep and any(h in changed for h in neighbours.get(g, ()))]
+        todo = [g for g in time_s if any(h in changed for h in neighbours.get(g, ()))]
     cost = {g: tuple(c if alive[model.owner(g)][i] else INF for i, c in enumerate(cs))
             for g, cs in model.cost_s.items()}
     return replace(model, cost_s=cost)
@@ -162,7 +166,7 @@ def _blocks(g: str, edges: Touching, alive: dict[str, torch.Tensor]) -> list[tup
 
 
 def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
-            alive: dict[str, torch.Tensor]) -> list[int]:
+            alive: dict[str, torch.Tensor], extra: Optional["RecomputeTerms"] = None) -> list[int]:
     """g's live choices that another live choice beats (module docstring)."""
     live = alive[g].nonzero().flatten()
     n = len(live)
@@ -181,7 +185,52 @@ def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
     if nbytes is not None:
         m = nbytes[live]
         beats &= m[:, None] <= m[None, :]
+    if extra is not None:
+        beats &= extra.no_worse(g, live, nbytes, alive)
     return live[beats.any(0)].tolist()
+
+
+@dataclass(frozen=True)
+class RecomputeTerms:
+    """What recompute prices per owner group and choice, over its copies: forward
+    seconds f and dropped bytes a; and the forward price F of the edges into blocks."""
+
+    forward_s: dict[str, torch.Tensor]
+    dropped: dict[str, torch.Tensor]
+    edges: Touching
+
+    def no_worse(self, g: str, live: torch.Tensor, nbytes, alive: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[j, i]: j prices no more than i in every recompute term (module docstring)."""
+        ok = torch.ones(len(live), len(live), dtype=torch.bool)
+        if g in self.forward_s:
+            f = self.forward_s[g][live]
+            ok &= f[:, None] <= f[None, :]
+        if g in self.dropped and nbytes is not None:
+            kept = nbytes[live] - self.dropped[g][live]
+            ok &= kept[:, None] <= kept[None, :]
+        for b, _ in _blocks(g, self.edges, alive):
+            ok &= _worst_difference(b) <= 0
+        return ok
+
+
+def _recompute_terms(model: IlpModel, pricer: EdgePricer, forward: EdgePricer) -> RecomputeTerms:
+    forward_s: dict[str, torch.Tensor] = {}
+    dropped: dict[str, torch.Tensor] = {}
+    for block in model.blocks:
+        for per_group, out in ((block.forward_s, forward_s), (block.dropped, dropped)):
+            for g, values in per_group.items():
+                o, v = model.owner(g), torch.tensor(values, dtype=torch.float64)
+                out[o] = out[o] + v if o in out else v
+    tables: dict[tuple, EdgeTable] = {}
+    for k in sorted({k for block in model.blocks for k in block.edges}):
+        edge = model.edges[k]
+        key = edge.twin_key(model.rep)
+        if key not in tables:
+            src, dst = edge_classes(edge, model, pricer)
+            u, v = model.owner(model.groups[edge.producer].leader), model.owner(model.groups[edge.consumer.name].leader)
+            tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
+                                    torch.tensor(forward_prices(edge, model, src, dst, forward), dtype=torch.float64))
+    return RecomputeTerms(forward_s, dropped, _by_group(list(tables.values())))
 
 
 def _worst_difference(b: torch.Tensor) -> torch.Tensor:

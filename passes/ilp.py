@@ -230,7 +230,7 @@ def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple
             matrix: list[list] = [[pricer.cost_between(o, r) for r in dst] for o in src]
             with_forward = forward is not None and key in into_blocks
             if with_forward:
-                matrix = [list(zip(row, fwd)) for row, fwd in zip(matrix, _forward_s(edge, model, src, dst, forward))]
+                matrix = [list(zip(row, fwd)) for row, fwd in zip(matrix, forward_prices(edge, model, src, dst, forward))]
             su, sv = s[model.groups[edge.producer].leader], s[model.groups[edge.consumer.name].leader]
             src_vars = [[su[i] for i in idx] for idx in src.values()]
             dst_vars = [[sv[i] for i in idx] for idx in dst.values()]
@@ -241,7 +241,7 @@ def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple
     return tuple(reshard), tuple(rerun), created
 
 
-def _forward_s(edge: Edge, model: IlpModel, src: dict[int, list[int]], dst: dict[DstKey, list[int]],
+def forward_prices(edge: Edge, model: IlpModel, src: dict[int, list[int]], dst: dict[DstKey, list[int]],
                forward: EdgePricer) -> list[list[float]]:
     """F[e,o,r]: the forward steps of the reshard from class o to class r (a class's
     first choice stands for it: its spec and grad-sync axes decide the steps)."""

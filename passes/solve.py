@@ -184,8 +184,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
         model = replace(model, blocks=block_terms(model, find_blocks(graph), forward,
                                                   node_costs(graph, forward.costs), memory))
     keep = _recompute_groups(model)
-    kept_whole = {"keep": keep} if keep else {}  # without recompute, the call it always was
-    model = prune_dominated(model, pricer, with_memory=budget is not None, **kept_whole)
+    with_recompute = {"forward": forward} if model.blocks else {}  # without recompute, the call it always was
+    model = prune_dominated(model, pricer, with_memory=budget is not None, **with_recompute)
     # 3. the least time within the budget
     ilp = build_ilp(model, pricer, time_objective, budget, forward)
     name = solver_name(options)
@@ -207,7 +207,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
 
 def _recompute_groups(model: IlpModel) -> frozenset[str]:
     """The owner groups whose choices price recompute terms (a, f, or F on an edge into a
-    block): dominance pruning and prefer_smaller leave them alone."""
+    block): prefer_smaller, which weighs only c, R and m, leaves them alone."""
     out = set()
     for block in model.blocks:
         out.update(model.owner(g) for g in block.dropped)

@@ -153,6 +153,19 @@ def test_recompute_or_shard_the_cheaper_wins(two_way, monkeypatch):
     assert plan.total_s < shard_only.total_s and plan.memory_bytes <= budget
 
 
+def test_dominance_pruning_keeps_the_recompute_optimum(two_way, monkeypatch):
+    """passes/dominance.py prunes choices inside recomputable blocks only where the
+    forward seconds, kept bytes and forward edge prices are no worse too: exact."""
+    *_, traced, free = two_way["gpt2"]
+    budget = int(free.memory_bytes * 0.6)
+    pruned = _plan(traced, (2,), memory_budget_bytes=budget)
+    monkeypatch.setattr(solve_module, "prune_dominated", lambda model, *a, **k: model)
+    full = _plan(traced, (2,), memory_budget_bytes=budget)
+    assert pruned.recompute and pruned.solver.status == full.solver.status == "Optimal"
+    assert pruned.solver.objective_s == pytest.approx(full.solver.objective_s, rel=1e-9)
+    assert pruned.solver.variables < full.solver.variables
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_gradients_match_one_device_in_simulation(two_way, name):
     model, args, kwargs, traced, free = two_way[name]
