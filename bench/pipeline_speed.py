@@ -6,7 +6,7 @@ The hand version splits with pipeline(split_spec) at every block and drives the 
 stage modules with the schedule; autopar plans the stages, runs each as a ParallelModule
 on its (one-rank) sub-mesh and wraps it in PipelineStage. Timed: training steps (all
 microbatches, forward, loss, backward), median over --steps after --warmup, the slowest
-rank's time per step.
+rank's time per step, the two alternating step by step.
 
     python bench/pipeline_speed.py [--steps 10] [--warmup 2] [--schedule 1f1b] [--microbatches 8]
 
@@ -58,17 +58,14 @@ def hand_schedule(model, ids, microbatches: int, schedule: str, rank: int):
     return cls(stage, n_microbatches=microbatches, loss_fn=lm_loss)
 
 
-def timed(step, steps: int, warmup: int) -> float:
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the step
-        if i >= warmup:
-            times.append(elapsed.item())
-    return statistics.median(times)
+def timed(step) -> float:
+    """One step's seconds on the slowest rank."""
+    dist.barrier()
+    t = time.perf_counter()
+    step()
+    elapsed = torch.tensor([time.perf_counter() - t])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
 def worker(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
@@ -79,25 +76,23 @@ def worker(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
     import autopar
     model, ids = build(args.batch, args.seq)
     first, last = rank == 0, rank == WORLD - 1
-
+    feed = {"input_ids": ids} if first else {}
     hand = hand_schedule(model, ids, args.microbatches, args.schedule, rank)
-
-    def hand_step() -> None:
-        hand.step(**({"input_ids": ids} if first else {}), target=ids if last else None)
-    hand_s = timed(hand_step, args.steps, args.warmup)
-
-    model, ids = build(args.batch, args.seq)  # a fresh copy: the hand split wrapped the first one's blocks
+    model, ids = build(args.batch, args.seq)  # a fresh copy of the same weights for autopar
     pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=(WORLD,), pipeline_axis=0,
                            microbatches=args.microbatches, pipeline_schedule=args.schedule, loss_fn=lm_loss,
                            training=True)
-
-    def autopar_step() -> None:
-        pipe.step(**({"input_ids": ids} if first else {}), target=ids if last else None)
-    autopar_s = timed(autopar_step, args.steps, args.warmup)
+    hand_times, autopar_times = [], []
+    for i in range(args.warmup + args.steps):  # alternating, so both see the same machine
+        h = timed(lambda: hand.step(**feed, target=ids if last else None))
+        a = timed(lambda: pipe.step(**feed, target=ids if last else None))
+        if i >= args.warmup:
+            hand_times.append(h)
+            autopar_times.append(a)
     if rank == 0:
         stages = [(s.first, s.stop) for s in pipe.plan.pipeline.stages]
         with open(out, "w") as f:
-            f.write(f"{hand_s} {autopar_s} {stages}\n")
+            f.write(f"{statistics.median(hand_times)} {statistics.median(autopar_times)} {stages}\n")
     dist.barrier()
     dist.destroy_process_group()
 
