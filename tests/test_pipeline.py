@@ -11,7 +11,7 @@ import torch
 import autopar
 from autopar.core.pipeline import PipelineError, Schedule, Stage
 from autopar.core.plan import Plan
-from autopar.passes.pipeline import Units, microbatch_inputs, split_stages, step_time
+from autopar.passes.pipeline import Units, microbatch_inputs, split_stages, stage_values, step_time
 from tests.models import build, inputs
 
 
@@ -43,6 +43,16 @@ def test_step_time_is_microbatches_times_slowest_plus_bubble():
     stages = (Stage(0, 0, 0, 2, 3.0, 10, 0.5), Stage(1, 1, 2, 4, 2.0, 0, 0.0))
     step, bubble = step_time(stages, ranks=2, microbatches=8)
     assert bubble == pytest.approx(3.5) and step == pytest.approx(8 * 3.5 + 3.5)
+
+
+def test_interleaved_stages_alternate_ranks_and_shrink_the_bubble():
+    units = Units("h", (1.0,) * 4, 0.0, 0.0, (0, 0, 0))
+    ranges = split_stages(units, (0.0,) * 3, 4)
+    stages = stage_values(units, (0.0,) * 3, (0, 0, 0), ranges, ranks=2)
+    assert [(s.first, s.stop, s.rank) for s in stages] == [(0, 1, 0), (1, 2, 1), (2, 3, 0), (3, 4, 1)]
+    step, bubble = step_time(stages, ranks=2, microbatches=4)
+    assert bubble == pytest.approx(1.0) and step == pytest.approx(4 * 2.0 + 1.0)  # 1F1B: 4 * 2 + 2
+    assert Schedule.of("interleaved_1f1b").chunks_per_rank == 2
 
 
 def test_pipelined_plan_records_stages_and_round_trips(gpt2_plans):
