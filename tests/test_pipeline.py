@@ -152,6 +152,29 @@ def _check_pipeline(results: list, case: int) -> None:
         torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def plain_case(rank: int, world: int) -> dict:
+    """pipeline_axis="auto" given the plain plan (what auto keeps when pipelining does not
+    pay): one ParallelModule over the whole mesh, stepped like a pipeline."""
+    import copy
+    from autopar.runtime.state import gather_full
+    from autopar.tools.simulated import CHEAP_COMM
+    warnings.simplefilter("ignore")
+    model = build("gpt2").train()
+    ids = inputs("gpt2", batch=4)[1]["input_ids"]
+    ref = copy.deepcopy(model)
+    ref_loss = lm_loss(ref(input_ids=ids).logits, ids)
+    ref_loss.backward()
+    plain = autopar.plan(model, (), {"input_ids": ids}, mesh=(2, 4), training=True, device=CHEAP_COMM)
+    pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=(2, 4), pipeline_axis="auto", microbatches=2,
+                           training=True, device=CHEAP_COMM, plan=plain, loss_fn=lm_loss)
+    loss = pipe.step(input_ids=ids, target=ids)
+    pm = pipe.plain
+    grads = {name: gather_full(pm.shards.get_parameter(name).grad, spec, pm) for name, spec in pm.state_specs.items()
+             if name in dict(pm.shards.named_parameters()) and pm.shards.get_parameter(name).grad is not None}
+    return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if rank == 0 else {},
+            "ref_grads": {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}}
+
+
 def refused_case(rank: int, world: int) -> dict:
     """Llama in 4 stages: its rotary tables, made before the first block, skip to every
     stage, and torch cannot send their gradients back to several stages."""
@@ -171,14 +194,15 @@ def test_pipelined_losses_and_gradients_match_one_device():
     """8 gloo ranks, one spawn: GPT-2 with 4 layers on (4, 2) pipelining axis 0 under 1F1B
     (4 stages on 2 ranks each; the mask stage 0 makes goes straight to stages 2 and 3),
     Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2) sub-mesh);
-    Llama in 4 stages is refused with the value that skips stages named."""
+    Llama in 4 stages is refused with the value that skips stages named; "auto" keeping the
+    plain plan steps one ParallelModule over (2, 4)."""
     from tests.harness import run_ranks
     cases = [(pipeline_case, dict(family="gpt2", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
              (pipeline_case, dict(family="llama", mesh=(2, 2, 2), axis=0, schedule="gpipe")),
-             (refused_case, {})]
+             (refused_case, {}), (plain_case, {})]
     results = run_ranks(8, cases)
-    for i in range(2):
+    for i in (0, 1, 3):
         _check_pipeline(results, i)
     assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert results[0][1]["stages"] == [(0, 1), (1, 2)]

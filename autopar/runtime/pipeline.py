@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining as pp
 
+from autopar import _compat
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
@@ -125,7 +126,7 @@ class PipelinedModule:
         self.stages: list[StageModule] = []
         self.plain: Optional[ParallelModule] = None
         if self.plan.pipeline is None:
-            self.plain = ParallelModule(model, mesh, replace(options, pipeline_axis=None))
+            self.plain = ParallelModule(model, mesh, replace(options, pipeline_axis=None), self.plan)
             self.plain.prepare(args, kwargs)
             return
         self.schedule = self._build(model, args, kwargs)
@@ -170,7 +171,7 @@ class PipelinedModule:
 
     def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> Optional[torch.Tensor]:
         if self.plain is not None:
-            loss = self.loss_fn(self.plain(*args, **kwargs), target)
+            loss = self.loss_fn(_as_pipeline_output(self.plain(*args, **kwargs)), target)
             loss.backward()
             return loss.detach()
         if args or kwargs:  # a clear PipelineError where torch would fail to chunk them
@@ -183,6 +184,13 @@ class PipelinedModule:
         if not self._holds_last():
             return None
         return torch.stack([x.detach() for x in losses]).mean()
+
+
+def _as_pipeline_output(out: Any) -> Any:
+    """The model's output as pipeline()'s last stage gives it to loss_fn: its tensor leaves
+    (a ModelOutput's logits alone when it has only those)."""
+    leaves = [x for x in _compat.tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
 
 def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, ...]) -> Any:
