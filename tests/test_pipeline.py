@@ -175,6 +175,40 @@ def plain_case(rank: int, world: int) -> dict:
             "ref_grads": {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}}
 
 
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def interleaved_case(rank: int, world: int, mesh: tuple) -> dict:
+    """An MLP of 4 layers in 4 stages over 2 pipeline ranks (interleaved 1F1B): nothing
+    skips a stage, which torch's interleaved schedule requires."""
+    import copy
+    from autopar.runtime.state import gather_full
+    from tests.models import MLP
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = MLP((16, 32, 32, 32, 16)).train()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    ref = copy.deepcopy(model)
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    pipe = autopar.compile(model, (x,), mesh=mesh, pipeline_axis=0, microbatches=4, training=True, loss_fn=mse,
+                           pipeline_schedule="interleaved_1f1b")
+    loss = pipe.step(x, target=y)
+    grads = {name: gather_full(s.pm.shards.get_parameter(name).grad, spec, s.pm)
+             for s in pipe.stages for name, spec in s.pm.state_specs.items()}
+    lead = all(c == 0 for c in mesh_coords(mesh, rank)[1:])
+    return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if lead else {},
+            "ref_grads": {k: p.grad for k, p in ref.named_parameters()},
+            "stages": [(s.first, s.stop, s.rank) for s in pipe.plan.pipeline.stages]}
+
+
+def mesh_coords(mesh: tuple, rank: int) -> tuple:
+    from autopar.core.mesh import Mesh
+    return Mesh.of(mesh).coords(rank)
+
+
 def refused_case(rank: int, world: int) -> dict:
     """Llama in 4 stages: its rotary tables, made before the first block, skip to every
     stage, and torch cannot send their gradients back to several stages."""
@@ -195,15 +229,17 @@ def test_pipelined_losses_and_gradients_match_one_device():
     (4 stages on 2 ranks each; the mask stage 0 makes goes straight to stages 2 and 3),
     Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2) sub-mesh);
     Llama in 4 stages is refused with the value that skips stages named; "auto" keeping the
-    plain plan steps one ParallelModule over (2, 4)."""
+    plain plan steps one ParallelModule over (2, 4); an MLP in 4 stages on 2 pipeline ranks
+    of (2, 4) under interleaved 1F1B."""
     from tests.harness import run_ranks
     cases = [(pipeline_case, dict(family="gpt2", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
              (pipeline_case, dict(family="llama", mesh=(2, 2, 2), axis=0, schedule="gpipe")),
-             (refused_case, {}), (plain_case, {})]
+             (refused_case, {}), (plain_case, {}), (interleaved_case, dict(mesh=(2, 4)))]
     results = run_ranks(8, cases)
-    for i in (0, 1, 3):
+    for i in (0, 1, 3, 4):
         _check_pipeline(results, i)
+    assert results[0][4]["stages"] == [(0, 1, 0), (1, 2, 1), (2, 3, 0), (3, 4, 1)]
     assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert results[0][1]["stages"] == [(0, 1), (1, 2)]
     # the stages' own plans split some input they receive, so the gradients sent back are

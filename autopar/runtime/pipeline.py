@@ -137,7 +137,8 @@ class PipelinedModule:
         sub_groups, pipe_group = stage_groups(mesh, p.axis, device, self.options.collective_timeout_s)
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, p.microbatches)
         pipe = split_model(model, mb_args, mb_kwargs, p.split_points)
-        examples = _stage_examples(pipe, mb_args, mb_kwargs, self.plan.training)
+        examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
+        check_skips(pipe, values, self.plan.training, p.schedule)
         coordinate = mesh.coords(dist.get_rank())[p.axis]
         stage_options = replace(self.options, pipeline_axis=None, microbatches=1)
         torch_stages = []
@@ -225,22 +226,32 @@ class _StageInputs(torch.fx.Interpreter):
         return super().call_module(target, args, kwargs)
 
 
-def _stage_examples(pipe: Any, args: tuple, kwargs: dict, training: bool) -> list[tuple[tuple, dict]]:
-    """Per stage: (its positional inputs, its keyword inputs) for one microbatch (step 2).
-    In training, a PipelineError where torch could not send a gradient back: a floating
-    value that skips stages (read by more than one later stage)."""
+def _stage_examples(pipe: Any, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], dict[str, Any]]:
+    """Per stage: (its positional inputs, its keyword inputs) for one microbatch (step 2),
+    and every value the split graph passed, by node name."""
     placeholders = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
     values = list(args) + [kwargs[name] for name in placeholders[len(args):]]
     recorder = _StageInputs(pipe.split_gm)
     with torch.no_grad():
         recorder.run(*values)
+    return recorder.calls, recorder.values
+
+
+def check_skips(pipe: Any, values: dict[str, Any], training: bool, schedule: Schedule) -> None:
+    """A PipelineError for a value read by more than one stage ('skip connection') where
+    torch cannot run it: a floating one in training (its gradient would go back to several
+    stages), any under the interleaved schedule (adjacent stages only)."""
     for node in pipe.split_gm.graph.nodes:
         readers = [u.name for u in node.users if u.op == "call_module"]
-        value = recorder.values.get(node.name)
-        if training and len(readers) > 1 and isinstance(value, torch.Tensor) and value.is_floating_point():
-            raise PipelineError(
-                f"value {node.name} (shape {tuple(value.shape)}, {value.dtype}) made before the stages is read by "
-                f"{len(readers)} stages ({', '.join(readers)}); torch.distributed.pipelining cannot send its "
-                "gradient back to more than one stage in training ('skip connections'). Use 2 stages (a pipeline "
-                "axis of size 2), or plan without pipeline_axis")
-    return recorder.calls
+        value = values.get(node.name)
+        if len(readers) < 2 or not isinstance(value, torch.Tensor):
+            continue
+        what = (f"value {node.name} (shape {tuple(value.shape)}, {value.dtype}) is read by {len(readers)} stages "
+                f"({', '.join(readers)})")
+        if schedule is Schedule.INTERLEAVED_1F1B:
+            raise PipelineError(f"{what}; torch's interleaved schedule passes values between adjacent stages only. "
+                                "Use pipeline_schedule='1f1b' or 'gpipe'")
+        if training and value.is_floating_point():
+            raise PipelineError(f"{what}; torch.distributed.pipelining cannot send its gradient back to more than "
+                                "one stage in training ('skip connections'). Use 2 stages (a pipeline axis of size "
+                                "2), or plan without pipeline_axis")
