@@ -37,12 +37,13 @@ from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, Schedule
-from autopar.core.placement import Replicate
+from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.pipeline import microbatch_inputs, plan_model, stage_mesh
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.planner import agreed
+from autopar.runtime.state import gather_full
 
 SCHEDULES = {Schedule.GPIPE: pp.ScheduleGPipe, Schedule.ONE_F_ONE_B: pp.Schedule1F1B,
              Schedule.INTERLEAVED_1F1B: pp.ScheduleInterleaved1F1B}
@@ -125,6 +126,8 @@ class PipelinedModule:
         self.plan = plan if plan is not None else agreed(lambda: plan_model(model, args, kwargs, mesh, options))
         self.stages: list[StageModule] = []
         self.plain: Optional[ParallelModule] = None
+        self.tied: tuple = ()  # tied parameters whose copies in several stages get one gradient
+        self.pipe_group: Any = None
         if self.plan.pipeline is None:
             self.plain = ParallelModule(model, mesh, replace(options, pipeline_axis=None), self.plan)
             self.plain.prepare(args, kwargs)
@@ -136,6 +139,8 @@ class PipelinedModule:
         p, mesh, device = self.plan.pipeline, self.mesh, torch.device("cpu")
         sub_groups, pipe_group = stage_groups(mesh, p.axis, device, self.options.collective_timeout_s)
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, p.microbatches)
+        self.pipe_group = pipe_group
+        self.tied = tied_parameters(model)
         pipe = split_model(model, mb_args, mb_kwargs, p.split_points)
         examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
         check_skips(pipe, values, self.plan.training, p.schedule)
@@ -182,9 +187,45 @@ class PipelinedModule:
         if not first:  # torch hands the inputs to every stage this rank runs: only the first takes them
             args, kwargs = (), {}
         self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        sync_tied_grads(self.tied, [s.pm for s in self.stages], self.pipe_group)
         if not self._holds_last():
             return None
         return torch.stack([x.detach() for x in losses]).mean()
+
+
+def tied_parameters(model: nn.Module) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
+    """Names that share one parameter (GPT-2's wte and lm_head), with its shape: after the
+    split each stage holding one has its own copy."""
+    names: dict[int, list[str]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        shapes[id(param)] = tuple(param.shape)
+    return tuple(sorted((tuple(sorted(n)), shapes[k]) for k, n in names.items() if len(n) > 1))
+
+
+@torch.no_grad()
+def sync_tied_grads(tied: tuple, stages: list[ParallelModule], pipe_group: Any) -> None:
+    """Every copy of a tied parameter gets the sum of all copies' gradients (the one-device
+    gradient), so the copies step alike: each rank adds the full gradients of the copies
+    its stages hold, the pipeline axis sums them, each copy takes its block back."""
+    for names, shape in tied:
+        full, held = None, []
+        for pm in stages:
+            seen: set[int] = set()
+            for name in names:
+                param = dict(pm.shards.named_parameters()).get(name) if name in pm.state_specs else None
+                if param is None or param.grad is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                whole = gather_full(param.grad, pm.state_specs[name], pm)
+                full = whole.clone() if full is None else full + whole
+                held.append((pm, name, param))
+        if full is None:
+            full = torch.zeros(shape)
+        dist.all_reduce(full, group=pipe_group)
+        for pm, name, param in held:
+            param.grad.copy_(local_chunk(full, pm.state_specs[name], pm.mesh.shape, pm.coords))
 
 
 def _as_pipeline_output(out: Any) -> Any:
