@@ -208,16 +208,25 @@ def mesh_coords(mesh: tuple, rank: int) -> tuple:
 
 def refused_case(rank: int, world: int) -> dict:
     """Llama in 4 stages: its rotary tables, made before the first block, skip to every
-    stage, and torch cannot send their gradients back to several stages."""
+    stage, and torch cannot send their gradients back to several stages. Then a plan made
+    for other input shapes, refused on every rank."""
     warnings.simplefilter("ignore")
     model = build("llama", num_hidden_layers=4).train()
     ids = inputs("llama", batch=4)[1]["input_ids"]
+    out = {"refused": "", "mismatch": ""}
     try:
         autopar.compile(model, (), {"input_ids": ids}, mesh=(4, 2), pipeline_axis=0, microbatches=2,
                         training=True, loss_fn=lm_loss)
     except PipelineError as e:
-        return {"refused": str(e)}
-    return {"refused": ""}
+        out["refused"] = str(e)
+    other = autopar.plan(model, (), {"input_ids": ids[:2]}, mesh=(4, 2), pipeline_axis=1, microbatches=2,
+                         training=True)  # made for a batch of 2
+    try:
+        autopar.compile(model, (), {"input_ids": ids}, mesh=(4, 2), pipeline_axis=1, microbatches=2,
+                        training=True, loss_fn=lm_loss, plan=other)
+    except autopar.FingerprintMismatchError as e:
+        out["mismatch"] = str(e)
+    return out
 
 
 @pytest.mark.slow
@@ -243,3 +252,4 @@ def test_pipelined_losses_and_gradients_match_one_device():
     # assembled from blocks (runtime/pipeline.py step 4), not merely passed through
     assert sum(r[i]["split_inputs"] for r in results for i in range(2)) > 0
     assert "is read by 3 stages" in results[0][2]["refused"] and "Use 2 stages" in results[0][2]["refused"]
+    assert all("the given plan was made for LlamaForCausalLM" in r[2]["mismatch"] for r in results)

@@ -39,7 +39,9 @@ from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, Schedule
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
+from autopar.passes.emit import check_fingerprint
 from autopar.passes.pipeline import microbatch_inputs, plan_model, stage_mesh
+from autopar.passes.planning import trace_for_planning
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.planner import agreed
@@ -123,7 +125,8 @@ class PipelinedModule:
             raise MeshError(f"the given plan is for mesh {plan.mesh.shape}, not {mesh.shape}; plan again for this "
                             "mesh or pass the mesh it was made for")
         self.mesh, self.options, self.loss_fn = mesh, options, loss_fn
-        self.plan = plan if plan is not None else agreed(lambda: plan_model(model, args, kwargs, mesh, options))
+        self.plan = agreed(lambda: plan_model(model, args, kwargs, mesh, options) if plan is None
+                           else _checked(plan, model, args, kwargs, options))
         self.stages: list[StageModule] = []
         self.plain: Optional[ParallelModule] = None
         self.tied: tuple = ()  # tied parameters whose copies in several stages get one gradient
@@ -191,6 +194,13 @@ class PipelinedModule:
         if not self._holds_last():
             return None
         return torch.stack([x.detach() for x in losses]).mean()
+
+
+def _checked(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, options: Options) -> Plan:
+    """A given plan, after checking it was made for this model and these inputs (the
+    first rank traces; a FingerprintMismatchError reaches every rank)."""
+    check_fingerprint(plan, trace_for_planning(model, args, kwargs, options.param_dtype), "the given plan")
+    return plan
 
 
 def tied_parameters(model: nn.Module) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
