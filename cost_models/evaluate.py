@@ -51,7 +51,7 @@ def op_target(op: str, node: str = "?") -> Any:
 def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[bool] = None,
              cost_model: Optional[CostModel] = None, optimizer_state_bytes: int = 8) -> Evaluation:
     training = plan.training if training is None else training
-    costs = cost_model or CostModel.analytic(device or plan.device, plan.mesh.shape, training)
+    costs = cost_model or _analytic_for(plan, device, training)
     if costs.mesh_shape != plan.mesh.shape:
         raise ValueError(f"cost model is for mesh {costs.mesh_shape} but the plan is for {plan.mesh.shape}")
     compute_s, memory = 0.0, 0
@@ -65,6 +65,16 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
     comm_s = sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
     again = recompute_terms(plan.nodes, plan.edges, plan.recompute, costs)
     return Evaluation(compute_s + again.compute_s, comm_s + again.comm_s, memory + again.memory_bytes)
+
+
+def _analytic_for(plan: Plan, device: Optional[str], training: bool) -> CostModel:
+    """The preset's model, with the links the plan was priced with (Plan.links: each
+    axis's kind on the plan's nodes, and any Options.links override) when it is priced
+    for its own device; another device brings its own links, every axis inside one node."""
+    costs = CostModel.analytic(device or plan.device, plan.mesh.shape, training)
+    if plan.links and (device is None or device == plan.device):
+        costs = replace(costs, links=tuple(a.link for a in plan.links))
+    return costs
 
 
 def recompute_terms(nodes: Sequence[NodeChoice], edges: Sequence[EdgePlan], blocks: Sequence[RecomputedBlock],

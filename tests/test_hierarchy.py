@@ -128,6 +128,17 @@ def test_tensor_parallelism_lands_on_the_fast_axis(gpt2_two_nodes):
     assert "axis 0 slow (inter-node" in inter_slow.summary() and "axis 1 fast (intra-node" in inter_slow.summary()
 
 
+def test_evaluate_prices_a_two_node_plan_with_its_own_links(gpt2_two_nodes):
+    """evaluate re-prices a plan with the links it was planned with (Plan.links), so its
+    total equals the solver's for a plan over two nodes; with one node's links it would not."""
+    from autopar.cost_models.evaluate import evaluate
+    for plan in gpt2_two_nodes.values():
+        assert evaluate(plan).total_s == pytest.approx(plan.total_s, rel=1e-9)
+    plan = gpt2_two_nodes["inter slow"]
+    one_node = evaluate(plan, cost_model=CostModel.analytic("cpu", (2, 4), training=True))
+    assert one_node.total_s != pytest.approx(plan.total_s, rel=1e-9)
+
+
 def test_plan_links_survive_json(gpt2_two_nodes, tmp_path):
     plan = gpt2_two_nodes["inter slow"]
     path = str(tmp_path / "plan.json")
