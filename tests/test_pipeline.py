@@ -3,6 +3,7 @@ errors for impossible requests, and (slow) losses and gradients on gloo ranks.""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -66,6 +67,8 @@ def test_pipelined_plan_records_stages_and_round_trips(gpt2_plans):
     assert piped.total_s == pytest.approx(p.step_s)
     again = Plan.from_dict(piped.to_dict())
     assert again == piped and again.digest() == piped.digest()
+    other = dataclasses.replace(piped, pipeline=dataclasses.replace(p, microbatches=4))
+    assert other.digest() != piped.digest()  # ranks with different schedules never agree
     assert "pipeline" not in plain.to_dict() and plain.pipeline is None
 
 

@@ -193,4 +193,6 @@ class Plan:
             h.update(repr((e.producer, e.index, e.consumer, e.position, [str(s) for s in e.steps])).encode())
         for b in self.recompute:  # absent from plans without recompute, whose digest stays as it was
             h.update(repr((b.name, b.nodes)).encode())
+        if self.pipeline is not None:  # absent from unpipelined plans, whose digest stays as it was
+            h.update(repr(plan_io.pipeline_to_json(self.pipeline)).encode())
         return h.hexdigest()[:16]

@@ -164,7 +164,8 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             unruled_ops=tuple(d.get("unruled_ops", ())), state_bytes=int(p.get("state_bytes", 0)),
             cost_note=d.get("cost_note", ""), discovered_ops=tuple(d.get("discovered_ops", ())),
             links=tuple(AxisLink(LinkKind(a["kind"]), Link(float(a["alpha_s"]), float(a["beta_s_per_byte"]), a["name"]))
-                        for a in d.get("links", ())))
+                        for a in d.get("links", ())),
+            pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None)
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e
 
