@@ -277,8 +277,7 @@ def _stage_param_bytes(sub: Plan, graph: AnnotatedGraph, stages: tuple[Stage, ..
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
     """autopar.plan with Options.pipeline_axis set: trace at the full batch and at one
     microbatch, then choose_plan."""
-    if options.pipeline_axis != AUTO:
-        check_request(mesh.shape, options.pipeline_axis, options.microbatches)
+    check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
     full = trace_for_planning(model, args, kwargs, options.param_dtype)
     micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)

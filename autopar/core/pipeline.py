@@ -98,13 +98,14 @@ class PipelinePlan:
 
 
 def check_request(mesh_shape: tuple[int, ...], axis: Any, microbatches: Any) -> None:
-    """A clear error for a pipeline axis that is not a mesh axis or microbatches < 1."""
-    if not (isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < len(mesh_shape)):
+    """A clear error for a pipeline axis that is not a mesh axis (nor "auto") or
+    microbatches that are not a positive int."""
+    if axis != "auto" and not (isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < len(mesh_shape)):
         raise PipelineError(f"pipeline_axis={axis!r} is not an axis of mesh {mesh_shape}; give an axis number "
                             f"0..{len(mesh_shape) - 1}, 'auto' (the planner decides) or None")
     if not (isinstance(microbatches, int) and not isinstance(microbatches, bool) and microbatches >= 1):
         raise PipelineError(f"microbatches={microbatches!r} must be a positive int (usually a multiple of the "
-                            f"{mesh_shape[axis]} pipeline stages)")
+                            "pipeline stages)")
 
 
 def pipeline_to_json(p: PipelinePlan) -> dict:
