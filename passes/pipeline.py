@@ -253,25 +253,46 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     step_s, bubble_s = step_time(stages, ranks, microbatches)
     pipeline = PipelinePlan(axis, microbatches, schedule, units.container, len(units.block_s), stages, bubble_s, step_s)
     comm_share = sub.comm_s / sub.total_s if sub.total_s else 0.0
+    param_bytes, state_bytes, activation_bytes = _stage_memory(sub, graph, stages, units, schedule, microbatches)
     return Plan(mesh, full.model_name, full.fingerprint, training, sub.device, (), (), step_s * (1 - comm_share),
-                step_s * comm_share, _stage_param_bytes(sub, graph, stages, units), 0,
-                replace(sub.solver, objective_s=step_s), sub.unruled_ops, state_bytes=0,
+                step_s * comm_share, param_bytes, activation_bytes,
+                replace(sub.solver, objective_s=step_s), sub.unruled_ops, state_bytes=state_bytes,
                 cost_note=f"{sub.cost_note}; stages priced on sub-mesh {stage_mesh(mesh, axis).shape} at "
                           "microbatch size", discovered_ops=sub.discovered_ops, pipeline=pipeline)
 
 
-def _stage_param_bytes(sub: Plan, graph: AnnotatedGraph, stages: tuple[Stage, ...], units: Units) -> int:
-    """Parameter bytes per rank of the heaviest pipeline rank."""
+def in_flight(schedule: Schedule, stage: Stage, n_stages: int, microbatches: int) -> int:
+    """Microbatches whose activations a stage holds at once: all of them under GPipe (every
+    forward before any backward), at most the stages after it under 1F1B."""
+    if schedule is Schedule.GPIPE:
+        return microbatches
+    return min(microbatches, n_stages - stage.index)
+
+
+def _stage_memory(sub: Plan, graph: AnnotatedGraph, stages: tuple[Stage, ...], units: Units,
+                  schedule: Schedule, microbatches: int) -> tuple[int, int, int]:
+    """(parameter, gradient + optimiser state, activation) bytes of the heaviest pipeline
+    rank: its stages' parameters, their share of the sub-mesh plan's state, and each
+    stage's op outputs (an upper bound, as Plan.activation_bytes) times its microbatches
+    in flight."""
     _, position = _positions(graph)
     blocks = len(units.block_s)
-    per_rank: dict[int, int] = {}
+    params = [0] * len(stages)
+    acts = [0] * len(stages)
     for n in sub.nodes:
-        if not n.kind.is_state:
-            continue
         p = min(max(position[n.name], 0), blocks - 1)
-        owner = next(s.rank for s in stages if s.first <= p < s.stop)
-        per_rank[owner] = per_rank.get(owner, 0) + n.outputs[0].local_nbytes(sub.mesh.shape)
-    return max(per_rank.values(), default=0)
+        k = next(s.index for s in stages if s.first <= p < s.stop)
+        if n.kind.is_state:
+            params[k] += n.outputs[0].local_nbytes(sub.mesh.shape)
+        elif n.kind is NodeKind.OP:
+            acts[k] += sum(o.local_nbytes(sub.mesh.shape) for o in n.outputs)
+    per_rank: dict[int, tuple[int, int, int]] = {}
+    for s in stages:
+        state = sub.state_bytes * params[s.index] // max(sub.param_bytes, 1)
+        act = acts[s.index] * in_flight(schedule, s, len(stages), microbatches)
+        old = per_rank.get(s.rank, (0, 0, 0))
+        per_rank[s.rank] = (old[0] + params[s.index], old[1] + state, old[2] + act)
+    return max(per_rank.values(), key=sum)
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:

@@ -56,6 +56,14 @@ def test_interleaved_stages_alternate_ranks_and_shrink_the_bubble():
     assert Schedule.of("interleaved_1f1b").chunks_per_rank == 2
 
 
+def test_activations_in_flight_follow_the_schedule():
+    from autopar.passes.pipeline import in_flight
+    stages = [Stage(k, k, k, k + 1, 1.0, 0, 0.0) for k in range(4)]
+    assert [in_flight(Schedule.GPIPE, s, 4, 8) for s in stages] == [8, 8, 8, 8]
+    assert [in_flight(Schedule.ONE_F_ONE_B, s, 4, 8) for s in stages] == [4, 3, 2, 1]
+    assert [in_flight(Schedule.ONE_F_ONE_B, s, 4, 2) for s in stages] == [2, 2, 2, 1]
+
+
 def test_pipelined_plan_records_stages_and_round_trips(gpt2_plans):
     piped, _, plain = gpt2_plans
     p = piped.pipeline
@@ -65,6 +73,11 @@ def test_pipelined_plan_records_stages_and_round_trips(gpt2_plans):
     hidden = 2 * 8 * 32 * 4  # one microbatch's hidden states, fp32; then the labels and masks the head reads
     assert hidden < p.stages[0].send_bytes <= hidden + 256 and p.stages[1].send_bytes == 0
     assert piped.total_s == pytest.approx(p.step_s)
+    # the heaviest rank holds one stage's parameters, not the model's; in training their
+    # gradient and AdamW state (4 + 8 bytes per 4-byte element) come on top
+    whole = sum(x.numel() * 4 for x in _gpt2(2)[0].parameters())
+    assert whole / 2 < piped.param_bytes < whole and piped.activation_bytes > 0
+    assert piped.state_bytes == pytest.approx(3 * piped.param_bytes, rel=0.01)
     again = Plan.from_dict(piped.to_dict())
     assert again == piped and again.digest() == piped.digest()
     other = dataclasses.replace(piped, pipeline=dataclasses.replace(p, microbatches=4))
