@@ -31,7 +31,7 @@ from autopar import _compat
 from autopar.core.errors import PlanFileError
 from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.placement import Spec, block_index
-from autopar.core.resharding import Step
+from autopar.core.resharding import Step, with_units
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan
 from autopar.passes.dynamic import is_symbolic
@@ -67,7 +67,7 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     deferred = deferred_grad_syncs(traced, plan) if defer_grad_sync else {}
-    resharded = _Resharder(root, graph, env, deferred)
+    resharded = _Resharder(root, graph, env, deferred, choice)
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":
             env[node.name] = graph.placeholder(node.name)
@@ -107,8 +107,9 @@ class _Resharder:
     (producer, steps so far) and shared by every consumer that needs the same result."""
 
     def __init__(self, root: nn.Module, graph: fx.Graph, env: dict[str, fx.Node],
-                 deferred: dict[str, tuple[int, ...]]) -> None:
+                 deferred: dict[str, tuple[int, ...]], choice: dict) -> None:
         self.root, self.graph, self.env, self.deferred = root, graph, env, deferred
+        self.choice = choice  # node name -> NodeChoice: an edge's target spec (its shards' units)
         self.cache: dict[tuple, fx.Node] = {}
 
     def __call__(self, edge: EdgePlan) -> fx.Node:
@@ -116,7 +117,11 @@ class _Resharder:
         if edge.producer in self.deferred:  # synced after backward, bucketed, by the runtime
             return value
         key: tuple = (edge.producer,)
-        for step in edge.steps:
+        consumer = self.choice.get(edge.consumer)
+        steps = edge.steps
+        if consumer is not None and edge.position < len(consumer.inputs):
+            steps = with_units(steps, consumer.inputs[edge.position])
+        for step in steps:
             key = key + (step,)
             if key not in self.cache:
                 self.cache[key] = self._emit(step, value, f"{edge.producer} -> {edge.consumer}")

@@ -20,6 +20,7 @@ from autopar.passes.emit import buffer_blocks, emit, local_inputs
 from autopar.passes.program import StepModule, WaitModule
 from autopar.passes.recompute import Recomputed, checkpoint
 from autopar.core.mesh import Mesh
+from autopar.core.placement import split_blocks
 from autopar.core.resharding import Step
 
 
@@ -48,14 +49,16 @@ def _apply(kind: str, step: Step, xs: list[torch.Tensor], mesh: Mesh) -> list[to
         elif kind == "all_gather":
             res = [torch.cat(vals, dim=step.dim)] * n
         elif kind in ("slice", "slice_back"):
-            res = [v.chunk(n, dim=step.dim)[i] for i, v in enumerate(vals)]
+            res = [split_blocks(v, n, step.dim, step.dim_unit)[i] for i, v in enumerate(vals)]
         elif kind == "reduce_scatter":
             total = torch.stack(vals).sum(0)
-            res = list(total.chunk(n, dim=step.dim))
+            res = list(split_blocks(total, n, step.dim, step.dim_unit))
         elif kind == "all_to_all":
-            res = [torch.cat([v.chunk(n, dim=step.to_dim)[i] for v in vals], dim=step.dim) for i in range(n)]
+            res = [torch.cat([split_blocks(v, n, step.to_dim, step.unit)[i] for v in vals], dim=step.dim)
+                   for i in range(n)]
         elif kind == "all_to_all_back":
-            res = [torch.cat([v.chunk(n, dim=step.dim)[i] for v in vals], dim=step.to_dim) for i in range(n)]
+            res = [torch.cat([split_blocks(v, n, step.dim, step.dim_unit)[i] for v in vals], dim=step.to_dim)
+                   for i in range(n)]
         elif kind == "to_partial":
             res = [v if i == 0 else torch.zeros_like(v) for i, v in enumerate(vals)]
         else:

@@ -5,7 +5,8 @@
 Uneven shards (torch.chunk blocks with a short last one, autopar/core/placement.py) are
 offered in graphs without symbolic sizes, for placeholders and for ops with a hand rule
 (passes/rules/registry.py expand says where they are exact); a discovered rule was
-verified on even blocks only.
+verified on even blocks only. Dims that some view splits into heads (head_units) may
+also be split in whole heads, S(d/u), where the heads do not divide the axis.
 
 1. Placeholders (parameters, buffers, user inputs) may take any R/S(d) layout; a
    pinned layout (a parameter already sharded by an earlier plan, or a hand plan's
@@ -34,9 +35,10 @@ from autopar import _compat
 from autopar.core.errors import describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, size_hint
+from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, canonical, size_hint
 from autopar.passes.discovery import discover
 from autopar.passes.rules import OpCall, Strategy, TensorArg, expand, replicate_rule, rule_for
+from autopar.passes.rules.views import group_units, view, view_groups
 from autopar.passes.trace import TracedGraph
 
 OUTPUT = "output"
@@ -102,13 +104,40 @@ def op_call(node: fx.Node) -> OpCall:
                   output_metas(node))
 
 
-def layouts(meta: TensorMeta, mesh: Mesh, uneven: bool = False) -> list[Spec]:
+Units = dict  # dim size -> head sizes it is split into somewhere in the graph (head_units)
+
+
+def layouts(meta: TensorMeta, mesh: Mesh, uneven: bool = False, units: Optional[Units] = None) -> list[Spec]:
     """Every R/S(d) layout of a tensor that divides evenly on the mesh (with `uneven`,
-    also those one axis cuts into unequal chunks; autopar/core/placement.py)."""
+    also those one axis cuts into unequal chunks, and S(d/u) in whole heads of u where a
+    dim's heads do not divide the axis; autopar/core/placement.py)."""
     split: list[Placement] = [R] + [Shard(d) for d, s in enumerate(meta.shape) if s > 1]
-    per_axis = [split if n > 1 else [R] for n in mesh.shape]
-    specs = [Spec(tuple(c), meta) for c in product(*per_axis)]
+    per_axis = [split + _head_splits(meta, n, units or {}) if n > 1 else [R] for n in mesh.shape]
+    specs = dict.fromkeys(Spec(canonical(tuple(c), meta.shape, mesh.shape), meta) for c in product(*per_axis))
     return [s for s in specs if s.fits(mesh.shape, uneven)]
+
+
+def _head_splits(meta: TensorMeta, k: int, units: Units) -> list[Placement]:
+    return [Shard(d, u) for d, s in enumerate(meta.shape) for u in units.get(s, ()) if (s // u) % k != 0]
+
+
+def head_units(gm: fx.GraphModule) -> Units:
+    """Dim size -> the head sizes some view splits it into or merges it from: a view of
+    [.., 320] as [.., 5, 64] gives {320: (64,)}. These are the whole-head splits
+    (Shard.unit) offered to parameters and ops (passes/rules/registry.py unit_variants)."""
+    found: dict[int, set] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or rule_for(node.target) is not view:
+            continue
+        src, dst = output_metas(node.args[0]), output_metas(node)
+        if len(src) != 1 or len(dst) != 1:
+            continue
+        for g in view_groups(src[0].shape, dst[0].shape):
+            ui, uj = group_units(g) or (1, 1)
+            for size, u in ((src[0].shape[g.src_dim], ui), (dst[0].shape[g.dst_dim], uj)):
+                if u > 1:
+                    found.setdefault(size, set()).add(u)
+    return {size: tuple(sorted(us)) for size, us in sorted(found.items())}
 
 
 def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement, ...]] | None = None,
@@ -119,10 +148,11 @@ def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement,
     nodes: list[PlannedNode] = []
     by_name: dict[str, PlannedNode] = {}
     unruled: dict[str, None] = {}
-    uneven = not traced.symbolic  # a split of a symbolic size is planned even (passes/dynamic.py)
+    # a split of a symbolic size is planned even (passes/dynamic.py)
+    units = None if traced.symbolic else head_units(traced.gm)
     for node in traced.gm.graph.nodes:
         planned = _plan_node(node, traced, mesh, inputs, pinned, by_name, unruled,
-                             discovered if discover_rules else None, uneven)
+                             discovered if discover_rules else None, units)
         if planned is not None:
             nodes.append(planned)
             by_name[planned.name] = planned
@@ -134,18 +164,22 @@ def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement,
     return AnnotatedGraph(traced, mesh, tuple(nodes), tuple(unruled), tuple(discovered), by_name)
 
 
+def _plan_placeholder(gi: Any, mesh: Mesh, pinned: dict, units: Optional[Units]) -> PlannedNode:
+    if gi.target in pinned:  # a state-dict key, or a user input's leaf index
+        specs = [Spec(tuple(pinned[gi.target]), gi.meta)]
+    else:
+        specs = layouts(gi.meta, mesh, units is not None, units)
+    return PlannedNode(gi.name, "placeholder", (), tuple(Strategy((), (s,)) for s in specs),
+                       rule_source="", kind=gi.kind)
+
+
 def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pinned: dict,
-               by_name: dict, unruled: dict, discovered: Optional[dict], uneven: bool
+               by_name: dict, unruled: dict, discovered: Optional[dict], units: Optional[Units]
                ) -> Optional[PlannedNode]:
+    """`units`: None where uneven splits are off, else head_units of the graph."""
     # 1. placeholders
     if node.op == "placeholder":
-        gi = inputs[node.name]
-        if gi.target in pinned:  # a state-dict key, or a user input's leaf index
-            specs = [Spec(tuple(pinned[gi.target]), gi.meta)]
-        else:
-            specs = layouts(gi.meta, mesh, uneven)
-        return PlannedNode(node.name, "placeholder", (), tuple(Strategy((), (s,)) for s in specs),
-                           rule_source="", kind=gi.kind)
+        return _plan_placeholder(inputs[node.name], mesh, pinned, units)
     # 4. output
     if node.op == "output":
         outs = [a for a in _compat.tree_flatten(node.args)[0] if isinstance(a, fx.Node)
@@ -190,7 +224,8 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                 f"sharding rule {rule_name} for {describe_node(node)} gave {len(r.inputs)} input / "
                 f"{len(r.outputs)} output placements; the op has {len(call.inputs)} tensor inputs and "
                 f"{len(call.outputs)} tensor outputs")
-    strategies = expand(axis_rules, call, mesh.shape, uneven and source == "hand")
+    hand = units is not None and source == "hand"
+    strategies = expand(axis_rules, call, mesh.shape, hand, units if hand else None)
     return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
                        module_path(node), source)
 

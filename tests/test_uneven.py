@@ -2,18 +2,20 @@
 torch.chunk cuts it (blocks of ceil(n / k), the last one short), and every program of
 such a plan matches the single-device model.
 
-1. Block sizes, fits, local shapes and block indices (pure).
-2. Which rules keep uneven shards: same-size dims yes; a view that merges the dim, and
-   a mean (P(avg)), no.
+1. Block sizes, fits, local shapes and block indices (pure); in whole heads (Shard.unit,
+   S(d/u)) in tests/test_uneven_heads.py.
+2. Which rules keep uneven shards: same-size dims yes; a view that merges or splits the
+   dim only in whole units (rows of a sequence, heads); a mean (P(avg)), no.
 3. In the mesh simulator: batch 3 on a 2-way axis (an MLP, and Llama's whole decoder),
    a vocabulary of 1001 on 4 ranks (GPT-2, Llama: embedding rows, LM head rows and
-   logits), both at once on a (2, 2) mesh, an MLP with no even dim, each node preferring an uneven strategy where it
-   has one; outputs and every gradient. The solver picks uneven splits where no even
-   one exists.
+   logits), both at once on a (2, 2) mesh, an MLP with no even dim, Llama with 5 heads
+   of 16 on 2 ranks split by head (its plan through a JSON file first), each node
+   preferring an uneven strategy where it has one; outputs and every gradient. The
+   solver picks uneven splits where no even one exists.
 4. On real gloo ranks (one spawn of 2): the padded collectives; compiled uneven plans
-   (batch 3 MLP and Llama, GPT-2 vocabulary 1001, odd MLP): outputs, gradients,
-   full_state_dict; load_full_state_dict, safetensors and DCP round trips with uneven
-   parameter shards.
+   (batch 3 MLP and Llama, GPT-2 vocabulary 1001, odd MLP, Llama split in 3 + 2 heads):
+   outputs, gradients, full_state_dict; load_full_state_dict, safetensors and DCP round
+   trips with uneven parameter shards; DCP refuses heads blocks by name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import warnings
 import pytest
 import torch
 
+from autopar.core.kinds import StepKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import (Partial, R, Shard, Spec, TensorMeta, block_index, chunk_sizes, local_chunk,
@@ -38,6 +41,7 @@ from autopar.passes.trace import trace
 from autopar.tools import zoo
 from autopar.tools.simulated import CHEAP_COMM, loss_of, simulate_against
 from tests.harness import run_ranks
+from tests.test_uneven_heads import head_split_weights, heads_state, in_heads, in_units, llama_heads5, through_json
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -98,14 +102,21 @@ def _strategies(target, args, mesh=(2,)):
 def test_uneven_kept_where_exact_and_refused_where_not():
     x = torch.randn(3, 8, 5)
     _, views = _strategies(aten.view.default, (x, [24, 5]))
-    assert [str(s) for s in views if str(s.inputs[0]) == "S(0)"] == []  # 3 rows merged into 24: chunks differ
+    # 3 rows of 8 merged into 24 are cut in whole rows of 8 (16, 8), never as chunk(24, 2)
+    assert [str(s) for s in views if str(s.inputs[0]) == "S(0)"] == ["(S(0))->S(0/8)"]
     assert any(str(s.inputs[0]) == "S(2)" for s in views)  # the 5 columns survive whole
     # 7 heads of 8 over 4 ranks: blocks of 2, 2, 2, 1 heads are 16, 16, 16, 8 columns, not
-    # chunks of 56; neither the split into heads nor the merge back is offered unevenly
+    # chunks of 56 (14 each): the split into heads and the merge back go in whole heads
     _, heads = _strategies(aten.view.default, (torch.randn(2, 8, 56), [2, 8, 7, 8]), mesh=(4,))
     _, merged = _strategies(aten.view.default, (torch.randn(2, 8, 7, 8), [2, 8, 56]), mesh=(4,))
-    assert not any(sp.uneven_axes((4,)) for s in heads + merged for sp in s.inputs + s.outputs)
+    assert {str(s) for s in heads + merged if any(sp.uneven_axes((4,)) for sp in s.inputs + s.outputs)} == {
+        "(S(2/8))->S(2)", "(S(2))->S(2/8)"}
     assert any(str(s) == "(S(1))->S(1)" for s in heads)  # the sequence split (even) stays
+    for s in views + heads + merged:  # each computes the view, shard by shard
+        src, shape = (x, [24, 5]) if s in views else (torch.randn(*s.inputs[0].meta.shape),
+                                                      list(s.outputs[0].meta.shape))
+        mesh = (2,) if s in views else (4,)
+        torch.testing.assert_close(run_sharded(aten.view.default, (src, shape), {}, s, mesh)[0], src.reshape(shape))
     _, means = _strategies(aten.mean.dim, (x, [0]))
     assert "(S(0))->P(avg)" not in {str(s) for s in means}  # the mean of unequal blocks' means is not the mean
     assert Partial("avg") in {s.outputs[0].placements[0] for s in means}  # an average input still passes
@@ -184,10 +195,13 @@ CASES = {  # name: (build, mesh, which strategies each node prefers)
                                    (2, 2), is_uneven),
     "llama-vocab1001-4": (lambda: zoo.build("llama-tiny", batch=2, seq=8, training=True, vocab_size=1001), (4,),
                           is_uneven),
+    "llama-heads5-2": (llama_heads5, (2,), in_heads),
+    "llama-heads5-reshard-2": (llama_heads5, (2,), in_units),
 }
 
 
-SLOW_SIMULATED = {"gpt2-vocab1001-4", "llama-batch3-vocab1001-2x2"}  # the fast set keeps the 1-D Llama cases
+# the fast set keeps the 1-D Llama cases
+SLOW_SIMULATED = {"gpt2-vocab1001-4", "llama-batch3-vocab1001-2x2", "llama-heads5-reshard-2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SIMULATED else n
@@ -201,6 +215,14 @@ def test_uneven_plan_matches_single_device_in_simulation(name):
         assert all(str(n.outputs[0]) == "S(0)" for n in plan.nodes if n.name in ("input_0", "linear", "relu"))
     if "vocab" in name:  # the vocabulary itself is split: embedding rows, LM head rows or logits
         assert any(s.uneven_axes(mesh) and 1001 in s.meta.shape for n in plan.nodes for s in n.inputs + n.outputs)
+    if name == "llama-heads5-2":  # q, k, v, o projections cut in whole heads; attention on 3 and 2 heads
+        assert len(head_split_weights(plan)) == 4, head_split_weights(plan)
+        assert all(str(n.outputs[0]) == "S(1)" for n in plan.nodes if "attention" in n.op)
+    if name == "llama-heads5-reshard-2":  # partial sums scattered into whole heads (padded)
+        kinds = {s.kind for e in plan.edges for s in e.steps if 16 in (s.unit, s.from_unit)}
+        assert StepKind.REDUCE_SCATTER in kinds, kinds
+    if "heads" in name:  # a plan file does not keep the steps' units: the rewrite reads them off the specs
+        plan = through_json(plan)
     compared = simulate_against(model, args, kwargs, traced, plan, context=f"{name} on {mesh}")
     assert compared > 0
 
@@ -230,7 +252,8 @@ def test_a_plan_with_an_unservable_split_is_refused_by_name():
 
 def padded_collectives(rank: int, world: int) -> dict:
     import torch.distributed as dist
-    from autopar.runtime.collectives import AxisComm, all_gather, all_to_all, reduce_scatter
+    from autopar.core.kinds import StepKind
+    from autopar.runtime.collectives import AxisComm, Move, all_gather, all_to_all, move, reduce_scatter
     group = dist.group.WORLD
     comm = AxisComm(group, world, rank, group.group_name)
     full = torch.arange(5 * 3, dtype=F32).view(5, 3)
@@ -238,7 +261,12 @@ def padded_collectives(rank: int, world: int) -> dict:
     gathered = all_gather(mine.t().contiguous(), 1, comm, size=5)  # a dim-1 gather of 3, 2 columns
     scattered = reduce_scatter(full * (rank + 1), 0, comm)  # rows 3 and 2 of the sum
     moved = all_to_all(mine, 0, 1, comm, size=5)  # rows 3/2 -> columns 2/1
-    return {"gathered": gathered, "scattered": scattered, "moved": moved}
+    heads = torch.arange(80, dtype=F32).view(1, 80)  # 5 heads of 16: 48 and 32 columns
+    mine_heads = heads[:, (0, 48)[rank]:(48, 80)[rank]]
+    heads_gathered = all_gather(mine_heads, 1, comm, size=80, unit=16)
+    heads_scattered = move(Move(StepKind.REDUCE_SCATTER, 0, size=80, unit=16), heads[0] * (rank + 1), comm)
+    return {"gathered": gathered, "scattered": scattered, "moved": moved, "heads_gathered": heads_gathered,
+            "heads_scattered": heads_scattered}
 
 
 def compiled_uneven(rank: int, world: int, which: str) -> dict:
@@ -257,6 +285,8 @@ def compiled_uneven(rank: int, world: int, which: str) -> dict:
     result["full"] = full_state_dict(pm)
     if which == "odd-mlp-2":
         result.update(_state_round_trips(pm, rank))
+    if which == "llama-heads5-2":
+        result.update(heads_state(pm, rank))
     return result
 
 
@@ -312,14 +342,23 @@ def test_uneven_shards_on_gloo_ranks():
     results = run_ranks(world, [(padded_collectives, {}), (compiled_uneven, {"which": "batch3-mlp-2"}),
                                 (compiled_uneven, {"which": "odd-mlp-2"}),
                                 (compiled_uneven, {"which": "gpt2-vocab1001-4"}),
-                                (compiled_uneven, {"which": "llama-batch3-2"})])
+                                (compiled_uneven, {"which": "llama-batch3-2"}),
+                                (compiled_uneven, {"which": "llama-heads5-2"})])
     full = torch.arange(5 * 3, dtype=F32).view(5, 3)
-    for rank, (coll, batch3, mlp, gpt, llama) in enumerate(results):
+    for rank, (coll, batch3, mlp, gpt, llama, heads) in enumerate(results):
+        torch.testing.assert_close(coll["heads_gathered"], torch.arange(80, dtype=F32).view(1, 80))
+        heads_sum = torch.arange(80, dtype=F32) * 3  # 3 heads of 16 on rank 0, 2 on rank 1
+        torch.testing.assert_close(coll["heads_scattered"], heads_sum[(0, 48)[rank]:(48, 80)[rank]])
+        assert heads["local_q"] == ((48, 32)[rank], 80)  # 3 heads of 16, then 2
+        assert "q_proj.weight" in heads["refused"] and "S(0/16)" in heads["refused"], heads["refused"]
+        for k, v in heads["shifted"].items():
+            torch.testing.assert_close(heads["after_load"][k], v, msg=f"rank {rank}: {k} after load_full_state_dict")
+            torch.testing.assert_close(heads["after_safetensors"][k], v * 2, msg=f"rank {rank}: {k} from safetensors")
         torch.testing.assert_close(coll["gathered"], full.t())
         torch.testing.assert_close(coll["scattered"], (full * 3).chunk(world)[rank])
         torch.testing.assert_close(coll["moved"], full.chunk(world, dim=1)[rank])
         for which, got in (("batch3-mlp-2", batch3), ("odd-mlp-2", mlp), ("gpt2-vocab1001-4", gpt),
-                           ("llama-batch3-2", llama)):
+                           ("llama-batch3-2", llama), ("llama-heads5-2", heads)):
             assert got["uneven"], f"{which}: the plan has no uneven shard"
             model, want = _reference(which)
             torch.testing.assert_close(got["out"], want, msg=f"{which} rank {rank} output")

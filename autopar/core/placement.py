@@ -20,6 +20,12 @@ one element (6 over 4 would leave the last rank none). Collectives pad each bloc
 ceil(n / k) (autopar/runtime/collectives.py); the cost model prices that largest block,
 which sets the step time, so `local_shape` is the largest block and `local_shape_at` the
 one a given rank holds.
+
+A shard may carry a unit, S(d/u): the dim (n, a multiple of u) is cut between whole groups
+of u elements, torch.chunk-ing the n / u groups. It is how heads split unevenly: hidden
+320 = 5 heads x 64 on 2 ranks is S(d/64), columns 192 and 128 (heads 3 and 2), which
+chunk(320, 2) is not. A unit is kept only where the groups do not divide the axis
+(`canonical`), so every even split is S(d) as before.
 """
 
 from __future__ import annotations
@@ -39,10 +45,15 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
+    """Split along `dim`. `unit`: the dim is cut only between whole groups of `unit`
+    elements (a head of `unit` columns), chunked as torch.chunk chunks the groups; it
+    matters only for an uneven split and is 1 (printed S(d)) otherwise."""
+
     dim: int
+    unit: int = 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.unit == 1 else f"S({self.dim}/{self.unit})"
 
 
 PARTIAL_REDUCES = ("sum", "avg", "max")
@@ -66,22 +77,25 @@ P = Partial()
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of str(placement): 'R', 'S(2)', 'P', 'P(avg)'."""
+    """Inverse of str(placement): 'R', 'S(2)', 'S(2/64)', 'P', 'P(avg)'."""
     if text == "R":
         return R
     if text == "P":
         return P
     if text.startswith("S(") and text.endswith(")"):
-        return Shard(int(text[2:-1]))
+        dim, _, unit = text[2:-1].partition("/")
+        if unit and int(unit) < 1:
+            raise ValueError(f"not a placement: {text!r} (a shard's unit is a positive int)")
+        return Shard(int(dim), int(unit) if unit else 1)
     if text.startswith("P(") and text.endswith(")"):
         return Partial(text[2:-1])
-    raise ValueError(f"not a placement: {text!r} (expected R, S(d), P or P(avg|max))")
+    raise ValueError(f"not a placement: {text!r} (expected R, S(d), S(d/unit), P or P(avg|max))")
 
 
 def parse_placements(text: str) -> tuple[Placement, ...]:
-    """Inverse of str(spec): 'S(0)R' -> (Shard(0), R)."""
+    """Inverse of str(spec): 'S(0)R' -> (Shard(0), R); 'RS(2/64)' -> (R, Shard(2, 64))."""
     import re
-    tokens = re.findall(r"S\(\d+\)|P\(\w+\)|P|R", text)
+    tokens = re.findall(r"S\(\d+(?:/\d+)?\)|P\(\w+\)|P|R", text)
     if "".join(tokens) != text:
         raise ValueError(f"not a placement string: {text!r} (expected e.g. 'S(0)R' or 'PS(1)')")
     return tuple(parse_placement(t) for t in tokens)
@@ -154,19 +168,22 @@ class Spec:
         shape = self.meta.shape
         ways: dict[int, int] = {}  # sharded dim -> the ranks that split it
         axes: dict[int, int] = {}  # sharded dim -> how many mesh axes (of size > 1) split it
+        units: dict[int, int] = {}  # sharded dim -> the largest unit it is cut in
         for a, p in enumerate(self.placements):
             if type(p) is Shard:
-                if not 0 <= p.dim < len(shape):
+                if not 0 <= p.dim < len(shape) or shape[p.dim] % p.unit != 0:
                     return False
                 ways[p.dim] = ways.get(p.dim, 1) * mesh_shape[a]
                 axes[p.dim] = axes.get(p.dim, 0) + (mesh_shape[a] > 1)
-        return all(w <= 1 or (shape[d] % w == 0 and shape[d] >= w)
-                   or (uneven and axes[d] == 1 and no_empty_block(shape[d], w)) for d, w in ways.items())
+                units[p.dim] = max(units.get(p.dim, 1), p.unit)
+        return all(w <= 1 or (units[d] == 1 and shape[d] % w == 0 and shape[d] >= w)
+                   or (uneven and axes[d] == 1 and no_empty_block(shape[d] // units[d], w))
+                   for d, w in ways.items())
 
     def uneven_axes(self, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Mesh axes whose shard of this tensor has a short last block."""
         return tuple(a for a, p in enumerate(self.placements)
-                     if type(p) is Shard and self.meta.shape[p.dim] % mesh_shape[a] != 0)
+                     if type(p) is Shard and units_of(self.meta.shape[p.dim], p) % mesh_shape[a] != 0)
 
 
 def local_shape(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]
@@ -176,15 +193,42 @@ def local_shape(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
-            out[p.dim] = -(-out[p.dim] // mesh_shape[axis])
+            out[p.dim] = -(-out[p.dim] // (mesh_shape[axis] * p.unit)) * p.unit
     return tuple(out)
 
 
-def chunk_sizes(n: int, k: int) -> tuple[int, ...]:
+def units_of(n: int, p: Shard) -> int:
+    """How many whole units a dim of size n is cut between."""
+    return n // p.unit
+
+
+def chunk_sizes(n: int, k: int, unit: int = 1) -> tuple[int, ...]:
     """Block sizes of torch.chunk(n elements, k) padded to k blocks (0 where chunk gives fewer):
-    chunk_sizes(1001, 4) == (251, 251, 251, 248), chunk_sizes(6, 4) == (2, 2, 2, 0)."""
-    step = -(-n // k)
-    return tuple(max(0, min(step, n - i * step)) for i in range(k))
+    chunk_sizes(1001, 4) == (251, 251, 251, 248), chunk_sizes(6, 4) == (2, 2, 2, 0). With a
+    unit, the n / unit units are chunked: chunk_sizes(80, 2, 16) == (48, 32) (5 heads: 3, 2)."""
+    c = n // unit
+    step = -(-c // k)
+    return tuple(max(0, min(step, c - i * step)) * unit for i in range(k))
+
+
+def split_blocks(t: torch.Tensor, k: int, dim: int, unit: int = 1) -> tuple[torch.Tensor, ...]:
+    """t cut along dim into the k blocks of chunk_sizes (torch.chunk when unit is 1)."""
+    if unit == 1:
+        return tuple(t.chunk(k, dim=dim))
+    return tuple(t.split(list(chunk_sizes(t.shape[dim], k, unit)), dim=dim))
+
+
+def canonical(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+              ) -> tuple[Placement, ...]:
+    """Placements with a unit dropped where it does not change the blocks (the dim's units
+    divide evenly over all the axes that split it), so an even split is always spelled
+    S(d) and plans and digests read as before units existed."""
+    ways: dict[int, int] = {}
+    for a, p in enumerate(placements):
+        if type(p) is Shard:
+            ways[p.dim] = ways.get(p.dim, 1) * mesh_shape[a]
+    return tuple(Shard(p.dim) if type(p) is Shard and p.unit != 1 and p.dim < len(shape)
+                 and shape[p.dim] % (p.unit * ways[p.dim]) == 0 else p for p in placements)
 
 
 def no_empty_block(n: int, k: int) -> bool:
@@ -201,11 +245,12 @@ def block_index(spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]
     Lets a loader read just that slice of a tensor from a file."""
     index = []
     for d, size in enumerate(spec.meta.shape):
-        chunk, ways = 0, 1
+        chunk, ways, unit = 0, 1, 1
         for a in spec.shard_axes(d):  # outermost first
             chunk = chunk * mesh_shape[a] + coords[a]
             ways *= mesh_shape[a]
-        step = -(-size // ways)  # torch.chunk's block: the last ones may be short
+            unit = max(unit, spec.placements[a].unit)  # type: ignore[union-attr]
+        step = -(-size // (ways * unit)) * unit  # torch.chunk's block: the last ones may be short
         index.append(slice(min(chunk * step, size), min((chunk + 1) * step, size)))
     return tuple(index)
 
@@ -219,7 +264,7 @@ def local_chunk(t: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...], coords
     out = t
     for axis, p in enumerate(spec.placements):
         if isinstance(p, Shard):
-            out = out.chunk(mesh_shape[axis], dim=p.dim)[coords[axis]]
+            out = split_blocks(out, mesh_shape[axis], p.dim, p.unit)[coords[axis]]
         elif isinstance(p, Partial) and p.reduce == "sum" and coords[axis] != 0:
             out = torch.zeros_like(out)
     return out

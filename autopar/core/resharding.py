@@ -25,7 +25,7 @@ Steps, in order: 1. resolve partials, 2. gather shards that the target does not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -46,6 +46,19 @@ class Step:
     reduce: str = "sum"
     backward: StepKind = StepKind.IDENTITY
     before: Optional[Spec] = None  # the layout the step starts from (its local bytes)
+    unit: int = 1  # the unit of the shard the step makes (slice, reduce_scatter, all_to_all's to_dim)
+
+    @property
+    def from_unit(self) -> int:
+        """The unit of the shard the step starts from on its axis (gather, all_to_all's dim)."""
+        p = self.before.placements[self.axis] if self.before is not None else None
+        return p.unit if type(p) is Shard else 1
+
+    @property
+    def dim_unit(self) -> int:
+        """The unit of `dim`'s shard, in either direction: the one the step makes (slice,
+        reduce_scatter) or the one it starts from (all_gather, all_to_all)."""
+        return self.unit if self.kind in (StepKind.SLICE, StepKind.REDUCE_SCATTER) else self.from_unit
 
     def __str__(self) -> str:
         args = [f"axis={self.axis}"]
@@ -55,6 +68,8 @@ class Step:
             args.append(f"to_dim={self.to_dim}")
         if self.kind is StepKind.ALL_REDUCE and self.reduce != "sum":
             args.append(f"op={self.reduce}")
+        if self.unit != 1:
+            args.append(f"unit={self.unit}")
         return f"{self.kind}({', '.join(args)})"
 
 
@@ -74,7 +89,8 @@ def _kept_shards(cur: Spec, dst: Spec) -> set[int]:
     kept: set[int] = set()
     dst_axes = _axes_by_dim(dst.placements)
     for d, src_axes in _axes_by_dim(cur.placements).items():
-        if dst_axes.get(d, ())[: len(src_axes)] == src_axes:
+        if dst_axes.get(d, ())[: len(src_axes)] == src_axes and all(
+                cur.placements[a] == dst.placements[a] for a in src_axes):  # a unit changes the blocks
             kept.update(src_axes)
     return kept
 
@@ -101,8 +117,20 @@ def reshard_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) ->
     moves = reshard_moves(src, dst, grad_sync_axes)
     if moves is None:
         raise Unreachable(f"no reshard path from {src} to {dst} for tensor {src.meta.shape}")
-    return tuple(Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, s.backward, Spec(s.before.placements, src.meta))
-                 for s in moves)
+    return tuple(Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, s.backward, Spec(s.before.placements, src.meta),
+                      s.unit) for s in moves)
+
+
+def with_units(steps: tuple[Step, ...], dst: Spec) -> tuple[Step, ...]:
+    """Steps whose made shards carry the target's units. Every step that makes a shard on
+    an axis makes the target's placement there, so the unit is read off `dst`; a plan file
+    stores steps without it."""
+    return tuple(replace(s, unit=_unit(dst, s.axis)) if s.kind in _MAKES_SHARD else s for s in steps)
+
+
+def _unit(spec: Spec, axis: int) -> int:
+    p = spec.placements[axis]
+    return p.unit if type(p) is Shard else 1
 
 
 def reshard_moves(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...] = ()) -> Optional[tuple[Step, ...]]:
@@ -138,7 +166,8 @@ def _plan_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...]) -> tuple[
         lone_dim = isinstance(want, Shard) and all(
             b == a or (cur.placements[b] != want and dst.placements[b] != want) for b in range(n))
         if lone_dim and p.reduce == "sum":
-            steps.append(Step(StepKind.REDUCE_SCATTER, a, dim=want.dim, backward=StepKind.ALL_GATHER, before=cur))
+            steps.append(Step(StepKind.REDUCE_SCATTER, a, dim=want.dim, backward=StepKind.ALL_GATHER, before=cur,
+                              unit=want.unit))
             cur = _with(cur, a, want)
         else:
             steps.append(Step(StepKind.ALL_REDUCE, a, reduce=p.reduce, backward=StepKind.IDENTITY, before=cur))
@@ -152,7 +181,8 @@ def _plan_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...]) -> tuple[
             continue
         if (isinstance(want, Shard) and len(cur.shard_axes(p.dim)) == 1 and not cur.shard_axes(want.dim)
                 and dst.shard_axes(want.dim) == (a,)):
-            steps.append(Step(StepKind.ALL_TO_ALL, a, dim=p.dim, to_dim=want.dim, backward=StepKind.ALL_TO_ALL, before=cur))
+            steps.append(Step(StepKind.ALL_TO_ALL, a, dim=p.dim, to_dim=want.dim, backward=StepKind.ALL_TO_ALL,
+                              before=cur, unit=want.unit))
             cur = _with(cur, a, want)
             continue
         steps.append(Step(StepKind.ALL_GATHER, a, dim=p.dim, backward=StepKind.SLICE, before=cur))
@@ -162,7 +192,8 @@ def _plan_steps(src: Spec, dst: Spec, grad_sync_axes: tuple[int, ...]) -> tuple[
     for a in range(n):
         want = dst.placements[a]
         if isinstance(want, Shard) and cur.placements[a] == R:
-            steps.append(Step(StepKind.SLICE, a, dim=want.dim, backward=StepKind.ALL_GATHER, before=cur))
+            steps.append(Step(StepKind.SLICE, a, dim=want.dim, backward=StepKind.ALL_GATHER, before=cur,
+                              unit=want.unit))
             cur = _with(cur, a, want)
 
     # 4. make partials
@@ -186,10 +217,13 @@ def _attach_grad_sync(steps: list[Step], final: Spec, axes: tuple[int, ...]) -> 
         last = next((i for i in reversed(range(len(steps))) if steps[i].axis == a), None)
         if last is not None and steps[last].kind is StepKind.ALL_GATHER:
             s = steps[last]
-            steps[last] = Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, StepKind.REDUCE_SCATTER, s.before)
+            steps[last] = Step(s.kind, s.axis, s.dim, s.to_dim, s.reduce, StepKind.REDUCE_SCATTER, s.before, s.unit)
         else:
             steps.append(Step(StepKind.GRAD_SYNC, a, backward=StepKind.ALL_REDUCE, before=final))
     return steps
+
+
+_MAKES_SHARD = (StepKind.SLICE, StepKind.REDUCE_SCATTER, StepKind.ALL_TO_ALL)
 
 
 def split_axes(inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> tuple[int, ...]:

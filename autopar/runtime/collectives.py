@@ -29,7 +29,8 @@ short) use the same tensor collectives on blocks padded to the largest, ceil(n /
     all_to_all      pad both dims so, exchange equal pieces, trim both
 
 so every rank moves the same padded bytes (what the cost model prices). A Move carries
-the global sizes of its dims (read off the step's layout); an even split skips padding.
+the global sizes of its dims (read off the step's layout) and their units (Shard.unit:
+blocks of whole heads, ceil(n / (k u)) u, only the last short); an even split skips padding.
 
 Nothing here decides what to run: the Plan's steps do; `step_runner` is what the
 StepModules of an emitted program (passes/program.py) are bound to.
@@ -44,7 +45,7 @@ import torch
 
 from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
-from autopar.core.placement import chunk_sizes
+from autopar.core.placement import chunk_sizes, split_blocks
 from autopar.core.resharding import Step
 
 _C10D = torch.ops._c10d_functional
@@ -70,11 +71,13 @@ class Move:
     reduce: str = "sum"
     size: Optional[int] = None  # global size of `dim` (None: unknown, taken as even)
     to_size: Optional[int] = None  # global size of `to_dim`
+    unit: int = 1  # `dim` is cut between whole groups of `unit` (Shard.unit)
+    to_unit: int = 1  # the same for `to_dim`
 
 
-def _short(size: Optional[int], n: int) -> bool:
-    """A dim of `size` chunked n ways has a short last block."""
-    return size is not None and size % n != 0
+def _short(size: Optional[int], n: int, unit: int = 1) -> bool:
+    """A dim of `size` chunked n ways (in groups of `unit`) has a short last block."""
+    return size is not None and (size // unit) % n != 0
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -87,8 +90,8 @@ def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def _block(size: int, n: int) -> int:
-    return -(-size // n)
+def _block(size: int, n: int, unit: int = 1) -> int:
+    return -(-size // (n * unit)) * unit
 
 
 # ---- 1. moves: launch (issue) and finish (wait, lay out) -------------------------------
@@ -100,24 +103,24 @@ def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     if n == 1 or kind in (StepKind.IDENTITY, StepKind.GRAD_SYNC):
         return x.view_as(x)
     if kind is StepKind.SLICE:
-        return x.chunk(n, dim=move.dim)[comm.coord].contiguous()
+        return split_blocks(x, n, move.dim, move.unit)[comm.coord].contiguous()
     if kind is StepKind.TO_PARTIAL:
         return x.clone() if comm.coord == 0 else torch.zeros_like(x)
     if kind is StepKind.ALL_REDUCE:
         return _C10D.all_reduce(x.contiguous(), "max" if move.reduce == "max" else "sum", comm.name)
     if kind is StepKind.ALL_GATHER:
-        if _short(move.size, n):
-            x = _pad(x, move.dim, _block(move.size, n))
+        if _short(move.size, n, move.unit):
+            x = _pad(x, move.dim, _block(move.size, n, move.unit))
         return _C10D.all_gather_into_tensor(x.contiguous(), n, comm.name)
     if kind is StepKind.REDUCE_SCATTER:
-        if _short(move.size, n):
-            x = _pad(x, move.dim, n * _block(move.size, n))
+        if _short(move.size, n, move.unit):
+            x = _pad(x, move.dim, n * _block(move.size, n, move.unit))
         return _C10D.reduce_scatter_tensor(x.movedim(move.dim, 0).contiguous(), "sum", n, comm.name)
     if kind is StepKind.ALL_TO_ALL:  # send chunk i of to_dim to rank i
-        if _short(move.size, n):
-            x = _pad(x, move.dim, _block(move.size, n))
-        if _short(move.to_size, n):
-            x = _pad(x, move.to_dim, n * _block(move.to_size, n))
+        if _short(move.size, n, move.unit):
+            x = _pad(x, move.dim, _block(move.size, n, move.unit))
+        if _short(move.to_size, n, move.to_unit):
+            x = _pad(x, move.to_dim, n * _block(move.to_size, n, move.to_unit))
         moved = x.movedim(move.to_dim, 0).contiguous()
         splits = [moved.shape[0] // n] * n
         return _C10D.all_to_all_single(moved, splits, splits, comm.name)
@@ -135,12 +138,12 @@ def finish(move: Move, started: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     out = _laid_out(move, y, n)
     # drop padding: a gathered dim keeps its first `size` (only the last block is short),
     # a scattered one this rank's block
-    if kind in (StepKind.ALL_GATHER, StepKind.ALL_TO_ALL) and _short(move.size, n):
+    if kind in (StepKind.ALL_GATHER, StepKind.ALL_TO_ALL) and _short(move.size, n, move.unit):
         out = out.narrow(move.dim, 0, move.size)
-    if kind is StepKind.REDUCE_SCATTER and _short(move.size, n):
-        out = out.narrow(move.dim, 0, chunk_sizes(move.size, n)[comm.coord])
-    if kind is StepKind.ALL_TO_ALL and _short(move.to_size, n):
-        out = out.narrow(move.to_dim, 0, chunk_sizes(move.to_size, n)[comm.coord])
+    if kind is StepKind.REDUCE_SCATTER and _short(move.size, n, move.unit):
+        out = out.narrow(move.dim, 0, chunk_sizes(move.size, n, move.unit)[comm.coord])
+    if kind is StepKind.ALL_TO_ALL and _short(move.to_size, n, move.to_unit):
+        out = out.narrow(move.to_dim, 0, chunk_sizes(move.to_size, n, move.to_unit)[comm.coord])
     return out
 
 
@@ -169,9 +172,11 @@ def all_reduce(x: torch.Tensor, comm: AxisComm, reduce: str = "sum") -> torch.Te
     return move(Move(StepKind.ALL_REDUCE, reduce=reduce), x, comm)
 
 
-def all_gather(x: torch.Tensor, dim: int, comm: AxisComm, size: Optional[int] = None) -> torch.Tensor:
-    """`size`: the gathered dim's global size, where the blocks may be uneven."""
-    return move(Move(StepKind.ALL_GATHER, dim, size=size), x, comm)
+def all_gather(x: torch.Tensor, dim: int, comm: AxisComm, size: Optional[int] = None, unit: int = 1
+               ) -> torch.Tensor:
+    """`size`: the gathered dim's global size, where the blocks may be uneven (cut in
+    groups of `unit`)."""
+    return move(Move(StepKind.ALL_GATHER, dim, size=size, unit=unit), x, comm)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, comm: AxisComm) -> torch.Tensor:
@@ -195,7 +200,7 @@ def _global_size(step: Step, dim: Optional[int]) -> Optional[int]:
 
 def forward_move(step: Step) -> Move:
     return Move(step.kind, step.dim, step.to_dim, step.reduce, _global_size(step, step.dim),
-                _global_size(step, step.to_dim))
+                _global_size(step, step.to_dim), step.dim_unit, step.unit)
 
 
 def backward_move(step: Step) -> Move:
@@ -204,10 +209,10 @@ def backward_move(step: Step) -> Move:
     back = step.backward
     if back is StepKind.ALL_TO_ALL:
         return Move(back, step.to_dim, step.dim, size=_global_size(step, step.to_dim),
-                    to_size=_global_size(step, step.dim))
+                    to_size=_global_size(step, step.dim), unit=step.unit, to_unit=step.from_unit)
     if back is StepKind.ALL_REDUCE:
         return Move(back)
-    return Move(back, step.dim, size=_global_size(step, step.dim))
+    return Move(back, step.dim, size=_global_size(step, step.dim), unit=step.dim_unit)
 
 
 def reduces(m: Move) -> bool:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.core.errors import CheckpointError
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Partial, Shard, Spec, block_index, local_chunk
 from autopar.runtime.collectives import AxisComm, all_gather, all_reduce
@@ -76,7 +77,7 @@ def gather_full(local: torch.Tensor, spec: Spec, pm: "ShardedModel") -> torch.Te
         p = spec.placements[axis]
         if isinstance(p, Shard):
             alone = spec.shard_axes(p.dim) == (axis,)
-            out = all_gather(out, p.dim, pm.comms[axis], spec.meta.shape[p.dim] if alone else None)
+            out = all_gather(out, p.dim, pm.comms[axis], spec.meta.shape[p.dim] if alone else None, p.unit)
         elif isinstance(p, Partial):
             out = all_reduce(out, pm.comms[axis], p.reduce)
     return out
@@ -138,8 +139,18 @@ def as_dtensor(local: torch.Tensor, spec: Spec, device_mesh: Any) -> Any:
 
 
 def sharded_state_dict(pm: "ShardedModel") -> dict[str, Any]:
+    """Each state tensor as this rank's DTensor block (what every DCP save and load of
+    autopar goes through). A block cut in whole heads (Shard.unit, S(d/u)) has sizes a
+    DTensor Shard cannot describe, so such a plan is refused here, before DCP writes or
+    reads a wrong block."""
     out = {}
     for name, spec in pm.state_specs.items():
+        units = [p for p in spec.placements if isinstance(p, Shard) and p.unit != 1]
+        if units:
+            raise CheckpointError(
+                f"state tensor {name} is split as {spec} (blocks of whole groups of {units[0].unit} along dim "
+                f"{units[0].dim}, e.g. attention heads), which a DTensor checkpoint cannot describe. Save it with "
+                "full_state_dict() or safetensors, or plan with a mesh whose axis divides the heads")
         t = pm.state_tensors[name]
         local_shape = spec.local_shape_at(pm.mesh.shape, pm.coords)
         if tuple(t.shape) != local_shape:  # compiled on meta: give the loader real memory to fill

@@ -10,6 +10,13 @@ matmul's batch, free or contracted dim, a view that keeps the dim whole; not a v
 that merges it with another, whose chunks fall elsewhere) and no output is an average
 (a mean of unequal blocks' means is not the mean).
 
+Units (Shard.unit: a dim cut between whole heads, autopar/core/placement.py): with `units`
+(dim size -> head sizes, passes/strategies.py head_units), an axis whose heads do not
+divide it also gets each rule again with its shards in whole heads, where every shard of
+the rule is of one size (the op cuts them all at the same places: a matmul's letter, an
+elementwise dim). A view states its own (passes/rules/views.py: 320 in heads of 64 is
+5 heads). Exact means the sharded dims have one number of units, not one size.
+
     @register(aten.mm.default)
     def mm(call: OpCall) -> list[AxisRule]:
         return einsum_rules("mk,kn->mn", call)
@@ -19,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
-from autopar.core.placement import Partial, Placement, R, Shard, Spec, TensorMeta
+from autopar.core.placement import Partial, Placement, R, Shard, Spec, TensorMeta, canonical, units_of
 
 
 @dataclass(frozen=True)
@@ -103,18 +110,20 @@ def replicate_rule(call: OpCall) -> list[AxisRule]:
     return [AxisRule((R,) * len(call.inputs), (R,) * len(call.outputs))]
 
 
-def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...], uneven: bool = False
-           ) -> list[Strategy]:
+def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...], uneven: bool = False,
+           units: Optional[Mapping[int, tuple[int, ...]]] = None) -> list[Strategy]:
     """Product of per-axis rules over the mesh; keeps first-seen order. Drops uneven
-    shards unless `uneven`, and then keeps only those `uneven_exact` allows."""
+    shards unless `uneven`, and then keeps only those `uneven_exact` allows; `units`
+    adds whole-head variants where heads do not divide an axis (module docstring)."""
     rules = list(dict.fromkeys(rules))
     replicated = [r for r in rules if all(p == R for p in r.inputs + r.outputs)] or rules
     # a mesh axis of size 1 holds everything whole: R is the only distinct layout there
-    per_axis = [rules if n > 1 else replicated for n in mesh_shape]
+    per_axis = [(rules + unit_variants(rules, call, n, units or {}) if uneven else rules) if n > 1 else replicated
+                for n in mesh_shape]
     out: dict[Strategy, None] = {}
     for combo in product(*per_axis):
-        ins = tuple(Spec(tuple(r.inputs[i] for r in combo), m) for i, m in enumerate(call.inputs))
-        outs = tuple(Spec(tuple(r.outputs[i] for r in combo), m) for i, m in enumerate(call.outputs))
+        ins = tuple(_spec(tuple(r.inputs[i] for r in combo), m, mesh_shape) for i, m in enumerate(call.inputs))
+        outs = tuple(_spec(tuple(r.outputs[i] for r in combo), m, mesh_shape) for i, m in enumerate(call.outputs))
         if all(s.fits(mesh_shape) for s in ins + outs) or (
                 uneven and all(s.fits(mesh_shape, uneven=True) for s in ins + outs)
                 and uneven_exact(ins + outs, mesh_shape)):
@@ -122,12 +131,39 @@ def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...],
     return list(out)
 
 
+def _spec(placements: tuple[Placement, ...], meta: TensorMeta, mesh_shape: tuple[int, ...]) -> Spec:
+    return Spec(canonical(placements, meta.shape, mesh_shape), meta)
+
+
+def unit_variants(rules: list[AxisRule], call: OpCall, k: int, units: Mapping[int, tuple[int, ...]]
+                  ) -> list[AxisRule]:
+    """Each rule again with its shards cut in whole heads of u, for every head size u of
+    their (one) dim size n whose n / u heads do not divide the axis size k."""
+    out = []
+    for r in rules:
+        sizes = {m.shape[p.dim] for p, m in zip(r.inputs + r.outputs, call.inputs + call.outputs)
+                 if type(p) is Shard and p.unit == 1 and p.dim < m.ndim}
+        if len(sizes) != 1 or any(type(p) is Shard and p.unit != 1 for p in r.inputs + r.outputs):
+            continue
+        n = sizes.pop()
+        for u in units.get(n, ()):
+            if (n // u) % k != 0:
+                out.append(AxisRule(tuple(_in_units(p, u) for p in r.inputs),
+                                    tuple(_in_units(p, u) for p in r.outputs)))
+    return out
+
+
+def _in_units(p: Placement, u: int) -> Placement:
+    return Shard(p.dim, u) if type(p) is Shard else p
+
+
 def uneven_exact(specs: tuple[Spec, ...], mesh_shape: tuple[int, ...]) -> bool:
     """On every axis that cuts some tensor unevenly, all the op's sharded dims on that
-    axis have one size and none of its values is an average (see the module docstring)."""
+    axis have one number of units (one size, under unit 1) and none of its values is an
+    average (see the module docstring)."""
     for a in sorted({a for s in specs for a in s.uneven_axes(mesh_shape)}):
         placed = [(s.placements[a], s.meta) for s in specs]
-        sizes = {m.shape[p.dim] for p, m in placed if type(p) is Shard}
+        sizes = {units_of(m.shape[p.dim], p) for p, m in placed if type(p) is Shard}
         if len(sizes) > 1 or any(p == Partial("avg") for p, _ in placed):
             return False
     return True

@@ -4,6 +4,8 @@ outermost non-unit dim of a merged group)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from autopar.core.placement import P, Partial, R, Shard
@@ -16,7 +18,24 @@ aten = torch.ops.aten
 def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
     """Input dim -> output dim for a reshape, where sharding the input dim equals
     sharding the output dim: both are the first non-unit dim of matching groups."""
-    mapping: dict[int, int] = {}
+    return {g.src_dim: g.dst_dim for g in view_groups(src, dst)}
+
+
+@dataclass(frozen=True)
+class ViewGroup:
+    """Dims of a reshape's input and output that hold the same elements: the first
+    non-unit dim of each side, and the product of the dims after it (a head's size when
+    [.., 320] becomes [.., 5, 64]: src_inner 1, dst_inner 64)."""
+
+    src_dim: int
+    dst_dim: int
+    src_inner: int
+    dst_inner: int
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[ViewGroup]:
+    """The matching dim groups of a reshape from `src` to `dst` (see ViewGroup)."""
+    groups: list[ViewGroup] = []
     i = j = 0
     while i < len(src) and j < len(dst):
         gi, gj = [i], [j]
@@ -25,29 +44,50 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
             if a < b:
                 i += 1
                 if i >= len(src):
-                    return mapping
+                    return groups
                 gi.append(i)
                 a *= src[i]
             else:
                 j += 1
                 if j >= len(dst):
-                    return mapping
+                    return groups
                 gj.append(j)
                 b *= dst[j]
         first_i = next((k for k in gi if src[k] != 1), None)
         first_j = next((k for k in gj if dst[k] != 1), None)
         if first_i is not None and first_j is not None:
-            mapping[first_i] = first_j
+            groups.append(ViewGroup(first_i, first_j, a // src[first_i], b // dst[first_j]))
         i += 1
         j += 1
-    return mapping
+    return groups
+
+
+def group_units(g: ViewGroup) -> tuple[int, int] | None:
+    """Units (input, output) under which splitting the two dims of a group cuts the same
+    elements: splitting [.., 320] in whole heads of 64 (unit 64) is splitting the heads of
+    [.., 5, 64] (unit 1), and the reverse for the merge; None where neither side's inner
+    product divides the other's."""
+    if g.dst_inner % g.src_inner == 0:
+        return g.dst_inner // g.src_inner, 1
+    if g.src_inner % g.dst_inner == 0:
+        return 1, g.src_inner // g.dst_inner
+    return None
 
 
 # squeezing and unsqueezing are reshapes that only add or drop unit dims
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
           aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def view(call: OpCall) -> list[AxisRule]:
-    return dim_map_rules(call, view_dim_map(call.inputs[0].shape, call.outputs[0].shape))
+    """Even shards map dim to dim; a group that splits or merges a dim also maps whole
+    units (heads) to whole units, which is what an uneven split of heads needs (expand
+    drops the unit where the split is even)."""
+    groups = view_groups(call.inputs[0].shape, call.outputs[0].shape)
+    rules = dim_map_rules(call, {g.src_dim: g.dst_dim for g in groups})
+    for g in groups:
+        units = group_units(g)
+        if units is not None and units != (1, 1):
+            rules.append(AxisRule((Shard(g.src_dim, units[0]),), (Shard(g.dst_dim, units[1]),)))
+    return rules
 
 
 @register(aten.transpose.int)
