@@ -167,6 +167,15 @@ def _check_pipeline(results: list, case: int) -> None:
         torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def _planned_on_rank0(make):
+    """A plan made once (rank 0) and sent to every rank: eight offline plans at once would
+    only slow the spawn down."""
+    import torch.distributed as dist
+    box = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def plain_case(rank: int, world: int) -> dict:
     """pipeline_axis="auto" given the plain plan (what auto keeps when pipelining does not
     pay): one ParallelModule over the whole mesh, stepped like a pipeline."""
@@ -179,7 +188,8 @@ def plain_case(rank: int, world: int) -> dict:
     ref = copy.deepcopy(model)
     ref_loss = lm_loss(ref(input_ids=ids).logits, ids)
     ref_loss.backward()
-    plain = autopar.plan(model, (), {"input_ids": ids}, mesh=(2, 4), training=True, device=CHEAP_COMM)
+    plain = _planned_on_rank0(lambda: autopar.plan(model, (), {"input_ids": ids}, mesh=(2, 4), training=True,
+                                                   device=CHEAP_COMM))
     pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=(2, 4), pipeline_axis="auto", microbatches=2,
                            training=True, device=CHEAP_COMM, plan=plain, loss_fn=lm_loss)
     loss = pipe.step(input_ids=ids, target=ids)
@@ -237,8 +247,8 @@ def refused_case(rank: int, world: int) -> dict:
                         training=True, loss_fn=lm_loss)
     except PipelineError as e:
         out["refused"] = str(e)
-    other = autopar.plan(model, (), {"input_ids": ids[:2]}, mesh=(4, 2), pipeline_axis=1, microbatches=2,
-                         training=True)  # made for a batch of 2
+    other = _planned_on_rank0(lambda: autopar.plan(model, (), {"input_ids": ids[:2]}, mesh=(4, 2), pipeline_axis=1,
+                                                   microbatches=2, training=True))  # made for a batch of 2
     try:
         autopar.compile(model, (), {"input_ids": ids}, mesh=(4, 2), pipeline_axis=1, microbatches=2,
                         training=True, loss_fn=lm_loss, plan=other)
