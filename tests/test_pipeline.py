@@ -103,6 +103,8 @@ def test_bad_requests_name_the_value_and_the_fix():
         autopar.plan(model, (), kw, mesh=(2, 2), pipeline_axis="auto", microbatches=0)
     with pytest.raises(PipelineError, match=r"needs example inputs and a loss"):
         autopar.compile(model, mesh=(2, 2), pipeline_axis=0, microbatches=2)
+    with pytest.raises(PipelineError, match=r"pipeline_axis=0 with dynamic=True: .* drop one"):
+        autopar.Options(pipeline_axis=0, dynamic=True)
     with pytest.raises(PipelineError, match=r"schedule 'zigzag' is not known"):
         autopar.Options(pipeline_schedule="zigzag")
 

@@ -9,7 +9,7 @@ import torch
 
 from autopar.core.dynamic import Dynamic
 from autopar.core.errors import OptionsError
-from autopar.core.pipeline import Schedule
+from autopar.core.pipeline import PipelineError, Schedule
 from autopar.core.links import link_overrides
 
 
@@ -93,6 +93,9 @@ class Options:
     def __post_init__(self) -> None:
         Dynamic.of(self.dynamic)  # a clear OptionsError for anything else
         Schedule.of(self.pipeline_schedule)
+        if self.pipeline_axis is not None and self.dynamic:
+            raise PipelineError(f"pipeline_axis={self.pipeline_axis!r} with dynamic={self.dynamic!r}: pipelined "
+                                "plans are made for one batch and sequence size; drop one of the two")
         link_overrides(self.links)  # likewise
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
             raise OptionsError(f"Options.nodes={self.nodes!r} is not a positive int; pass the number of machines "
