@@ -59,8 +59,9 @@ def test_reshard_between_units_gathers_and_recuts():
     steps = reshard_steps(heads, Spec((Shard(0),), meta))
     assert [(s.kind, s.from_unit, s.unit) for s in steps] == [(StepKind.ALL_GATHER, 16, 1), (StepKind.SLICE, 1, 1)]
     cut = reshard_steps(Spec((R,), meta), heads)
-    assert [(s.kind, s.unit, str(s)) for s in cut] == [(StepKind.SLICE, 16, "slice(axis=0, dim=0, unit=16)")]
-    assert with_units(tuple(dataclasses.replace(s, unit=1) for s in cut), heads) == cut
+    assert [(s.kind, s.unit) for s in cut] == [(StepKind.SLICE, 16)]
+    stored = tuple(dataclasses.replace(s, unit=1) for s in cut)  # as a plan file has it
+    assert with_units(stored, heads) == cut and [str(s) for s in stored] == [str(s) for s in cut]
     assert reshard_steps(heads, heads) == ()
 
 

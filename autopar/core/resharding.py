@@ -46,7 +46,9 @@ class Step:
     reduce: str = "sum"
     backward: StepKind = StepKind.IDENTITY
     before: Optional[Spec] = None  # the layout the step starts from (its local bytes)
-    unit: int = 1  # the unit of the shard the step makes (slice, reduce_scatter, all_to_all's to_dim)
+    # the unit of the shard the step makes (slice, reduce_scatter, all_to_all's to_dim): the
+    # target spec's (with_units), so not printed: a plan file, which does not store it, digests alike
+    unit: int = 1
 
     @property
     def from_unit(self) -> int:
@@ -68,8 +70,6 @@ class Step:
             args.append(f"to_dim={self.to_dim}")
         if self.kind is StepKind.ALL_REDUCE and self.reduce != "sum":
             args.append(f"op={self.reduce}")
-        if self.unit != 1:
-            args.append(f"unit={self.unit}")
         return f"{self.kind}({', '.join(args)})"
 
 
