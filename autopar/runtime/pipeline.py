@@ -2,8 +2,8 @@
 
     model --pipeline(split at plan.pipeline.split_points)--> stage modules 0..S-1
     rank r (pipeline coordinate k) -> stage k's module, planned and run by autopar on the
-    sub-mesh of the ranks whose coordinate is k -> PipelineStage(group: the pipeline axis)
-    -> ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with the loss function
+    sub-mesh of the ranks whose coordinate is k -> torch's build_stage(pipe.info(), group:
+    the pipeline axis) -> ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with loss_fn
 
 1. The first rank plans (passes/pipeline.py: stages chosen by the DP) and sends the plan
    to every rank; a given Plan skips it. A plan without a pipeline (pipeline_axis="auto"
@@ -19,6 +19,9 @@
    an input (grad-sync steps complete replicated ones), so the full input gradient is the
    sum over the sub-mesh of the zero-padded blocks, divided by the number of ranks
    holding each block (_FullInputGrad); every rank then sends the same full gradient.
+5. After each step, a tied parameter with a copy in several stages (GPT-2's wte and
+   lm_head) gets the summed gradient in every copy (sync_tied_grads), so copies step alike.
+6. What torch's schedules cannot run is refused up front, naming the value (check_skips).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class _FullInputGrad(torch.autograd.Function):
 
 
 class StageModule(nn.Module):
-    """What a PipelineStage runs: one stage's ParallelModule, its inputs' gradients made
+    """What torch's pipeline stage runs: one stage's ParallelModule, its inputs' gradients made
     whole for the previous stage."""
 
     def __init__(self, pm: ParallelModule, group: Any, split: torch.fx.GraphModule) -> None:
