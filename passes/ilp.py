@@ -11,9 +11,9 @@ formulation, with followers and spec classes.
     recompute     training under a budget only: blocks b (repeated layers, passes/clusters.py),
                   r[b] in {0,1}: b's activations are recomputed in backward, not kept
                   w[b,g,i] = s[g,i] r[b]:  w <= s[g,i],  sum_i w[b,g,i] = r[b]
-                  v[b,e,o,r] = x[e,o,r] r[b]:  v <= x,  sum_{o,r} v[b,e,o,r] = r[b]   (e into b)
+                  z[b,e] >= sum_{o,r} F[e,o,r] x[e,o,r] - Fmax[e] (1 - r[b]), z >= 0   (e into b)
                   D_b = sum_g sum_i a[b,g,i] w[b,g,i]     bytes of b's outputs read only inside b
-                  T_b = sum_g sum_i f[b,g,i] w[b,g,i] + sum_{e into b} sum_{o,r} F[e,o,r] v[b,e,o,r]
+                  T_b = sum_g sum_i f[b,g,i] w[b,g,i] + sum_{e into b} z[b,e]
                                                           b's forward once more: compute, reshards
                   r[b] >= r[b']                           b before b', twins (equal terms: symmetry)
     memory        sum_g sum_i m[g,i] s[g,i] - sum_b D_b <= budget          (Options.memory_budget_bytes)
@@ -37,8 +37,9 @@ Recompute: a[b,g,i] are the bytes m of g's members in b none of whose consumers 
 outside b (an output read outside b stays kept, as torch.utils.checkpoint keeps a
 region's inputs and outputs); f[b,g,i] their forward seconds (the training compute
 without its backward share) plus the forward steps of reshards inside g into b's nodes;
-F[e,o,r] the forward steps of R (passes/recompute_ilp.py prices them). w and v are the exact
-products of a one-hot (s of a group, or the flows of an edge, which sum to 1) with r[b].
+F[e,o,r] the forward steps of R (passes/recompute_ilp.py prices them). w is the exact
+product of a group's one-hot s with r[b]; z is F r[b] at the optimum (big-M, Fmax the
+largest F of the edge: one flow pair is chosen).
 Without a budget recompute only costs time, so no r is made.
 
 Clustering (passes/clusters.py): a group whose representative is another group reuses

@@ -2,19 +2,23 @@
 per repeated block b a binary r[b], recompute b's activations in backward instead of
 keeping them, with its price in time and its saving in memory.
 
-    w[b,g,i] = s[g,i] r[b]:  w <= s[g,i],  sum_i w[b,g,i] = r[b]    (s one-hot in g)
-    v[b,e,k] = x[e,k] r[b]:  v <= x[e,k],  sum_k v[b,e,k] = r[b]    (x: e's flows, sum 1)
+    w[b,g,i] = s[g,i] r[b]:  w <= s[g,i],  sum_i w[b,g,i] = r[b]    (s one-hot in g; also an
+                                                            edge's terms on a side's s)
+    z[b,e] >= F0[e] + sum_k F[e,k] x[e,k] - Fmax[e] (1 - r[b]),  z >= 0   (x: e's flows, sum 1;
+                                                            Fmax = F0 + max_k F[e,k]: big-M)
     dropped bytes   sum_g sum_i a[b,g,i] w[b,g,i]         (b's outputs read only inside b)
-    rerun time      sum_g sum_i f[b,g,i] w[b,g,i] + sum_{e into b} (sum_k F[e,k] v[b,e,k] + F0[e] r[b])
-    r[b] >= r[b']                                         twins b before b'
+    rerun time      sum_g sum_i f[b,g,i] w[b,g,i] + sum_{e into b} z[b,e]
+    r[b] >= r[b']                                         twins (equal terms) b before b'
 
 block_terms prices a[b,g,i] and f[b,g,i] (forward seconds of the block's ops under each
 choice, and the forward steps of reshards inside a group into them); recompute adds r,
-w, v and their rows. The memory row subtracts the dropped bytes, the time objective
-adds the rerun time (passes/ilp.py). The products are exact for integral s, x and r (r
-= 0 forces w = v = 0; r = 1 makes them s and x) and tight: for fractional r the LP sees
-the dropped bytes and rerun time in proportion to r, where a big-M form would see far
-less (GPT-2 small (2, 4) at 0.3 of its free footprint: a 56 s solve with big-M rows).
+w, z and their rows. The memory row subtracts the dropped bytes, the time objective
+adds the rerun time (passes/ilp.py). w is exact for integral s and r (r = 0 forces
+w = 0; r = 1 makes it s) and tight: for fractional r the LP sees the dropped bytes and
+rerun time in proportion to r, where a big-M form would see far less (GPT-2 small
+(2, 4) at 0.3 of its free footprint: a 56 s solve with big-M rows). z, on an edge's
+flows, is big-M on purpose (exact at the optimum, as z is minimised): exact products
+of an edge's hundreds of flows made the ILP four times larger.
 
 Why blocks and not single ops: a block is what torch.utils.checkpoint reruns as one
 region (passes/recompute.py), what Megatron-LM and torchtitan checkpoint by hand, and
@@ -24,7 +28,7 @@ kept, so recomputing one block never recomputes another.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from autopar.core.kinds import NodeKind
@@ -42,7 +46,7 @@ class BlockTerms:
 
     name: str  # the block's module path, e.g. "transformer.h.3"
     nodes: tuple[str, ...]  # its op and getitem nodes, in graph order
-    twin: str  # the first block with the same terms (itself if none): twins recompute in order
+    twin: str  # the first block with the same terms (_signature; itself if none): twins recompute in order
     dropped: Mapping[str, tuple[int, ...]]  # a[b,g,i] in bytes
     forward_s: Mapping[str, tuple[float, ...]]  # f[b,g,i] in seconds
     edges: tuple[int, ...]  # indices into IlpModel.edges of the edges into b: their forward F reruns
@@ -51,7 +55,7 @@ class BlockTerms:
 @dataclass(frozen=True)
 class RecomputeVariables:
     """Per IlpModel.blocks: r (a column), the bytes recompute drops, sum a w, and the
-    time it adds, sum f w + sum F v + F0 r (in microseconds)."""
+    time it adds, sum f w + sum z (in microseconds)."""
 
     recomputed: tuple[int, ...] = ()
     dropped: tuple[LinearTerms, ...] = ()
@@ -77,7 +81,8 @@ def block_terms(model: "IlpModel", block_of: Mapping[str, tuple[str, int]], forw
     for n in graph.nodes:
         for u, _ in n.inputs:
             read_by.setdefault(u, set()).add(n.name)
-    out = []
+    out: list[BlockTerms] = []
+    first_with: dict[tuple, str] = {}  # a block's terms -> the first block with them
     for key in sorted(members):
         names = members[key]
         inside = set(names)
@@ -88,11 +93,22 @@ def block_terms(model: "IlpModel", block_of: Mapping[str, tuple[str, int]], forw
             _add_node(model, name, kept, forward, forward_s, nbytes, dropped, fwd)
         if not any(any(a) for a in dropped.values()):
             continue
-        twin = block_of.get(model.rep.get(names[0], names[0]), key)
         edges = tuple(k for k, e in enumerate(model.edges) if e.consumer.name in inside)
-        out.append(BlockTerms(block_name(key), tuple(names), block_name(twin),
-                              {g: tuple(a) for g, a in dropped.items()}, {g: tuple(f) for g, f in fwd.items()}, edges))
+        terms = BlockTerms(block_name(key), tuple(names), "", {g: tuple(a) for g, a in dropped.items()},
+                           {g: tuple(f) for g, f in fwd.items()}, edges)
+        out.append(replace(terms, twin=first_with.setdefault(_signature(model, terms), terms.name)))
     return tuple(out)
+
+
+def _signature(model: "IlpModel", block: BlockTerms) -> tuple:
+    """What r[b] is priced with: a and f on the variables they use (a copy's group on
+    its representative's s) and the edges into b by the x they share (Edge.twin_key).
+    Blocks with one signature are interchangeable, so ordering their r loses nothing;
+    a clustered block whose input edge comes from an unclustered one (the first copy)
+    prices its rerun on other variables and is no twin of the rest."""
+    on_owner = lambda per_group: tuple((model.owner(g), v) for g, v in per_group.items())  # noqa: E731
+    return (on_owner(block.dropped), on_owner(block.forward_s),
+            tuple(model.edges[k].twin_key(model.rep) for k in block.edges))
 
 
 def _add_node(model: "IlpModel", name: str, kept: bool, forward: EdgePricer, forward_s: Mapping[str, Sequence[float]],
@@ -119,8 +135,8 @@ def _add_node(model: "IlpModel", name: str, kept: bool, forward: EdgePricer, for
 
 def recompute(prob: LinearProgram, model: "IlpModel", s: Mapping[str, tuple[Variable, ...]],
               rerun: Sequence[LinearTerms]) -> RecomputeVariables:
-    """r[b], the products w = s r[b] and v = x r[b] with their rows (module docstring),
-    and per block the terms sum a w (bytes) and sum f w + sum F v + F0 r (microseconds);
+    """r[b], the products w = s r[b] and the edges' z with their rows (module docstring),
+    and per block the terms sum a w (bytes) and sum f w + sum z (microseconds);
     `rerun`: the forward part of each edge's reshard terms (ilp.edge_consistency)."""
     one_hot = {var: vars_ for g in model.leaders for vars_ in [s[g]] for var in vars_ if var is not None}
     r: list[int] = []

@@ -17,7 +17,8 @@ is what decides recompute and sharding under a budget.
    views make none and cost no bytes).
 Sharding does not change what is saved, only its size, so one run serves every strategy.
 A graph this cannot run (symbolic sizes, an op without a fake kernel) gets {} and every
-output counts, as before.
+output counts, as before. The run leaves any caller's torch.inference_mode, under which
+autograd records nothing and every output would read as not kept.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _run(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:
         saved.add(_storage(t))
         return t
 
-    with _compat.fake_mode(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.inference_mode(False), _compat.fake_mode(), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         # 1. fake inputs
         for node in traced.gm.graph.nodes:
             if node.op == "placeholder":

@@ -25,6 +25,8 @@ from autopar.passes import solve as solve_module
 from autopar.passes.emit import emit, local_inputs
 from autopar.passes.planning import plan_traced
 from autopar.passes.recompute import Recomputed
+from autopar.passes.recompute_ilp import block_terms
+from autopar.passes.saved import META_KEY as SAVED_KEY, saved_outputs
 from autopar.passes.simulate_mesh import run_lockstep
 from autopar.passes.trace import flatten_inputs, trace
 from autopar.tools.memory_meter import kept_bytes
@@ -114,6 +116,19 @@ def test_saved_bytes_drop_as_measured(llama4):
     drop = (kept_free - kept_tight) / (free.activation_bytes - tight.activation_bytes)
     assert 0.8 <= drop <= 1.2, (drop, kept_free, kept_tight, free.activation_bytes, tight.activation_bytes)
     assert 0.8 <= kept_free / free.activation_bytes <= 1.2, (kept_free, free.activation_bytes)
+
+
+def test_saved_outputs_are_found_under_a_callers_inference_mode():
+    """Planning from inside torch.inference_mode: the fake run still records what autograd
+    saves (it used to see nothing saved and count no activation bytes at all)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(model, (torch.randn(4, 8),), {})
+    with torch.inference_mode():
+        under = saved_outputs(traced)
+    traced.gm.meta.pop(SAVED_KEY)
+    assert under == saved_outputs(traced) == {"linear": (True,), "gelu": (True,), "linear_1": (False,)}
 
 
 def _kept(model, args, kwargs, traced, plan: Plan) -> float:
@@ -289,3 +304,29 @@ def _stack_plan() -> Plan:
     assert 0 < len(plan.recompute) < 3 and all(n.outputs[0].is_replicated() for n in plan.nodes
                                                  if n.kind is NodeKind.PARAMETER)
     return plan
+
+
+def test_only_blocks_priced_alike_are_ordered_as_twins(monkeypatch):
+    """r[b] >= r[b'] (symmetry) only between blocks with the same terms: the first
+    clustered block reads its input from the unclustered block 0, so its rerun is priced
+    on other variables than its copies' and it is no twin of theirs (it was, which could
+    force it to recompute before a cheaper copy)."""
+    got = []
+
+    def spy(*args, **kwargs):
+        got.append((args[0], block_terms(*args, **kwargs)))
+        return got[-1][1]
+
+    monkeypatch.setattr(solve_module, "block_terms", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(ResStack(5), (_stack_inputs(0),), {})
+    with pytest.raises(MemoryBudgetError):
+        _plan(traced, (2,), memory_budget_bytes=1)
+    model, blocks = got[0]
+    assert {b.name: b.twin for b in blocks} == {f"blocks.{i}": f"blocks.{min(i, 2) if i < 4 else 4}" for i in range(5)}
+    by_name = {b.name: b for b in blocks}
+    for b in blocks:
+        twin = by_name[b.twin]
+        keys = [[model.edges[k].twin_key(model.rep) for k in c.edges] for c in (b, twin)]
+        assert keys[0] == keys[1], (b.name, twin.name)
