@@ -18,7 +18,7 @@ import torch
 
 import autopar
 from autopar import Link, LinkKind
-from autopar.core.errors import MeshError, OptionsError
+from autopar.core.errors import MeshError, OptionsError, PlanFileError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh, check_node_layout
 from autopar.core.plan import Plan
@@ -149,6 +149,9 @@ def test_plan_links_survive_json(gpt2_two_nodes, tmp_path):
     assert Plan.from_json(path).links == plan.links
     del stored["links"]  # a file written before links were recorded
     assert Plan.from_dict(stored).links == ()
+    stored["links"] = plan.to_dict()["links"][:1]  # a hand-edited file: axis 1 has no link
+    with pytest.raises(PlanFileError, match="1 links for the 2 axes"):
+        Plan.from_dict(stored)
 
 
 def test_the_pictures_name_each_axis_link(gpt2_two_nodes):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autopar import _compat
-from autopar.core.errors import MemoryBudgetError
+from autopar.core.errors import MemoryBudgetError, PlanFileError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
@@ -100,6 +100,10 @@ def test_plan_json_round_trip(llama4, tmp_path):
     back = Plan.from_json(tmp_path / "plan.json")
     assert back.recompute == plan.recompute and back.digest() == plan.digest()
     assert replace(plan, recompute=()).digest() != plan.digest()
+    stored = plan.to_dict()
+    stored["recompute"][0]["nodes"].append("no_such_node")  # a hand-edited file
+    with pytest.raises(PlanFileError, match="no_such_node"):
+        Plan.from_dict(stored)
 
 
 def test_saved_bytes_drop_as_measured(llama4):

@@ -153,7 +153,7 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
                             f"{SCHEMA_VERSION}. Re-plan with this version (python -m autopar plan ...)")
     try:
         p = d["predicted"]
-        return dict(
+        fields = dict(
             mesh=Mesh(tuple(d["mesh"])), model_name=d["model"], fingerprint=d["fingerprint"],
             training=bool(d["training"]), device=d["device"], nodes=tuple(map(_node_from_json, d["nodes"])),
             edges=tuple(EdgePlan(e["producer"], e["index"], e["consumer"], e["position"],
@@ -168,6 +168,24 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None)
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e
+    return _consistent(fields, source)
+
+
+def _consistent(fields: dict, source: str) -> dict:
+    """`fields`, after checking that their parts agree: one link per mesh axis (or none:
+    a file written before links were recorded) and recomputed blocks made of plan nodes;
+    else evaluate and emit would fail far from the file (an IndexError on a missing axis)."""
+    ndim, links = fields["mesh"].ndim, fields["links"]
+    if links and len(links) != ndim:
+        raise PlanFileError(f"{source} records {len(links)} links for the {ndim} axes of mesh "
+                            f"{fields['mesh'].shape}; 'links' needs one per axis (or none). {REMEDY}")
+    names = {n.name for n in fields["nodes"]}
+    for block in fields["recompute"]:
+        missing = [n for n in block.nodes if n not in names]
+        if missing:
+            raise PlanFileError(f"{source} recomputes block {block.name} with nodes {missing[:3]} the plan does not "
+                                f"have. {REMEDY}")
+    return fields
 
 
 def _options(n: dict) -> tuple[Alternative, ...]:
