@@ -104,11 +104,12 @@ def through_json(plan):
 
 
 def heads_state(pm, rank: int) -> dict:
-    """load_full_state_dict and safetensors into blocks of whole heads read back; DCP,
-    which cannot describe them, is refused by name before anything is written."""
+    """load_full_state_dict and safetensors into blocks of whole heads read back; a DCP
+    checkpoint (which saves such blocks whole along their axis) and a training checkpoint
+    with Adam's moments come back into the same blocks."""
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from autopar.core.errors import CheckpointError
+    from autopar.runtime.resume import resume, save_training_checkpoint
     from autopar.runtime.state import full_state_dict, gather_full
     shifted = {k: v + 1 for k, v in full_state_dict(pm).items()}
     buffers = {k: gather_full(pm.state_tensors[k], s, pm) for k, s in pm.state_specs.items() if k not in shifted}
@@ -121,10 +122,23 @@ def heads_state(pm, rank: int) -> dict:
         save_file({**{k: v * 2 for k, v in shifted.items()}, **{k: v.contiguous() for k, v in buffers.items()}}, path)
     dist.barrier()
     pm.load_safetensors(path)
-    try:
-        pm.save_checkpoint(os.path.join(tmp[0], "ckpt"))
-        refused = ""
-    except CheckpointError as e:
-        refused = str(e)
-    return {"shifted": shifted, "after_load": after_load, "after_safetensors": full_state_dict(pm),
-            "refused": refused, "local_q": tuple(pm.state_tensors["model.layers.0.self_attn.q_proj.weight"].shape)}
+    after_safetensors = full_state_dict(pm)
+    pm.save_checkpoint(os.path.join(tmp[0], "ckpt"))
+    pm.load_full_state_dict({**{k: torch.zeros_like(v) for k, v in shifted.items()}, **buffers})
+    pm.load_checkpoint(os.path.join(tmp[0], "ckpt"))
+    after_dcp = full_state_dict(pm)
+    opt = torch.optim.Adam(pm.parameters(), lr=0.01)
+    args, kwargs = llama_heads5()[1:]
+    for step in range(2):  # the second step moves weights and moments on; resume must bring both back
+        pm(*args, **kwargs).logits.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            saved = full_state_dict(pm)
+            moments = [opt.state[p]["exp_avg"].clone() for p in pm.parameters()]
+            save_training_checkpoint(pm, opt, os.path.join(tmp[0], "train"), step=1)
+    resume(pm, opt, os.path.join(tmp[0], "train"))
+    return {"shifted": shifted, "after_load": after_load, "after_safetensors": after_safetensors,
+            "after_dcp": after_dcp, "saved": saved, "resumed": full_state_dict(pm),
+            "moments_equal": all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(pm.parameters(), moments)),
+            "local_q": tuple(pm.state_tensors["model.layers.0.self_attn.q_proj.weight"].shape)}

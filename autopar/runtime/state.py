@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.core.errors import CheckpointError
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Partial, Shard, Spec, block_index, local_chunk
+from autopar.core.placement import R, Partial, Shard, Spec, block_index, local_chunk, split_blocks
 from autopar.runtime.collectives import AxisComm, all_gather, all_reduce
 from autopar.runtime.shards import tied_groups
 
@@ -138,24 +138,54 @@ def as_dtensor(local: torch.Tensor, spec: Spec, device_mesh: Any) -> Any:
                               run_check=False)
 
 
+def _unit_axes(spec: Spec) -> tuple[int, ...]:
+    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.unit != 1)
+
+
+def checkpoint_spec(spec: Spec) -> Spec:
+    """The layout a state tensor is checkpointed in: its own, except that a block of whole
+    groups (Shard.unit, S(d/u): attention heads split unevenly) is saved whole along that
+    axis, since a DTensor Shard can only describe torch.chunk's blocks. Any mesh can then
+    load it, and even shards are saved exactly as before."""
+    units = _unit_axes(spec)
+    if not units:
+        return spec
+    return Spec(tuple(R if a in units else p for a, p in enumerate(spec.placements)), spec.meta)
+
+
+def to_checkpoint(local: torch.Tensor, spec: Spec, pm: "ShardedModel") -> Any:
+    """This rank's block as the DTensor DCP saves (checkpoint_spec: whole-group blocks are
+    first gathered along their axis, which every rank of that axis does alike)."""
+    for axis in _unit_axes(spec):
+        p = spec.placements[axis]
+        local = all_gather(local, p.dim, pm.comms[axis], spec.meta.shape[p.dim], p.unit)
+    return as_dtensor(local, checkpoint_spec(spec), pm.device_mesh)
+
+
+def checkpoint_target(spec: Spec, pm: "ShardedModel", dtype: torch.dtype) -> Any:
+    """A zero DTensor of the block DCP loads for a tensor laid out as `spec`."""
+    shape = checkpoint_spec(spec).local_shape_at(pm.mesh.shape, pm.coords)
+    return as_dtensor(torch.zeros(shape, dtype=dtype, device=pm.device), checkpoint_spec(spec), pm.device_mesh)
+
+
+def from_checkpoint(block: torch.Tensor, spec: Spec, pm: "ShardedModel") -> torch.Tensor:
+    """This rank's own block of what DCP loaded into a checkpoint_spec target."""
+    for axis in _unit_axes(spec):
+        p = spec.placements[axis]
+        block = split_blocks(block, pm.mesh.shape[axis], p.dim, p.unit)[pm.coords[axis]]
+    return block
+
+
 def sharded_state_dict(pm: "ShardedModel") -> dict[str, Any]:
-    """Each state tensor as this rank's DTensor block (what every DCP save and load of
-    autopar goes through). A block cut in whole heads (Shard.unit, S(d/u)) has sizes a
-    DTensor Shard cannot describe, so such a plan is refused here, before DCP writes or
-    reads a wrong block."""
+    """Each state tensor as the DTensor block this rank checkpoints (what every DCP save
+    and load of autopar goes through; checkpoint_spec says which layout that is)."""
     out = {}
     for name, spec in pm.state_specs.items():
-        units = [p for p in spec.placements if isinstance(p, Shard) and p.unit != 1]
-        if units:
-            raise CheckpointError(
-                f"state tensor {name} is split as {spec} (blocks of whole groups of {units[0].unit} along dim "
-                f"{units[0].dim}, e.g. attention heads), which a DTensor checkpoint cannot describe. Save it with "
-                "full_state_dict() or safetensors, or plan with a mesh whose axis divides the heads")
         t = pm.state_tensors[name]
         local_shape = spec.local_shape_at(pm.mesh.shape, pm.coords)
         if tuple(t.shape) != local_shape:  # compiled on meta: give the loader real memory to fill
             t.data = torch.empty(local_shape, dtype=t.dtype, device=pm.device)
-        out[name] = as_dtensor(t.detach(), spec, pm.device_mesh)
+        out[name] = to_checkpoint(t.detach(), spec, pm)
     return out
 
 
@@ -165,7 +195,7 @@ def load_checkpoint(pm: "ShardedModel", path: str) -> None:
     target = sharded_state_dict(pm)
     dcp.load(target, checkpoint_id=path)
     for name, dt in target.items():
-        pm.state_tensors[name].copy_(dt.to_local())
+        pm.state_tensors[name].copy_(from_checkpoint(dt.to_local(), pm.state_specs[name], pm))
     dist.barrier()
 
 

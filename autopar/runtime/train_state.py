@@ -26,7 +26,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from autopar.core.errors import CheckpointError
-from autopar.runtime.state import ShardedModel, as_dtensor, sharded_state_dict, unique_shards
+from autopar.runtime.state import (ShardedModel, checkpoint_target, from_checkpoint, sharded_state_dict, to_checkpoint,
+                                   unique_shards)
 
 GROUPS_KEY = "optim/param_groups"
 
@@ -47,9 +48,8 @@ def training_entries(pm: ShardedModel, optimizer: Any, rank: int) -> dict[str, A
 def load_targets(pm: ShardedModel, optimizer: Any, metadata: Metadata, rank: int, path: str) -> dict[str, Any]:
     """Tensors (and placeholders for objects) of the right shapes for dcp.load to fill:
     fresh ones, not the live shards, so a load that fails halfway changes nothing."""
-    out: dict[str, Any] = {f"model/{name}": as_dtensor(torch.empty_like(dt.to_local()), pm.state_specs[name],
-                                                       pm.device_mesh)
-                           for name, dt in sharded_state_dict(pm).items()}
+    out: dict[str, Any] = {f"model/{name}": checkpoint_target(spec, pm, pm.state_tensors[name].dtype)
+                           for name, spec in pm.state_specs.items()}
     if optimizer is not None:
         if GROUPS_KEY not in metadata.state_dict_metadata:
             raise CheckpointError(f"checkpoint {path} holds no optimiser state; resume with optimizer=None to "
@@ -67,8 +67,8 @@ def restore(pm: ShardedModel, optimizer: Any, loaded: dict[str, Any], rank: int,
     nothing after it may draw); the optimiser's groups are checked before anything is copied."""
     state = _optimizer_state_dict(pm, optimizer, loaded, path) if optimizer is not None else None  # may refuse
     with torch.no_grad():
-        for name in pm.state_specs:
-            pm.state_tensors[name].copy_(loaded[f"model/{name}"].to_local())
+        for name, spec in pm.state_specs.items():
+            pm.state_tensors[name].copy_(from_checkpoint(loaded[f"model/{name}"].to_local(), spec, pm))
     if optimizer is not None:
         optimizer.load_state_dict(state)
     _set_rng_states(loaded[rng_key(rank)])
@@ -116,7 +116,7 @@ def _state_entry(pm: ShardedModel, name: str, key: str, param: torch.Tensor, val
         raise CheckpointError(f"optimiser state {key!r} of {name} has shape {tuple(value.shape)}, not its shard's "
                               f"{tuple(param.shape)}; only elementwise states (SGD momentum, Adam, AdamW, ...) and "
                               "scalars can be checkpointed shard by shard")
-    return as_dtensor(value.detach(), pm.state_specs[name], pm.device_mesh)
+    return to_checkpoint(value.detach(), pm.state_specs[name], pm)
 
 
 def _optimizer_target(pm: ShardedModel, key: str, md: Any, path: str) -> Any:
@@ -133,8 +133,7 @@ def _optimizer_target(pm: ShardedModel, key: str, md: Any, path: str) -> Any:
     if tuple(md.size) != tuple(spec.meta.shape):
         raise CheckpointError(f"checkpoint {path}: optimiser state {state!r} of {name} has shape {tuple(md.size)}, "
                               f"the parameter's is {spec.meta.shape}", path)
-    local = torch.zeros(spec.local_shape_at(pm.mesh.shape, pm.coords), dtype=dtype, device=pm.device)
-    return as_dtensor(local, spec, pm.device_mesh)
+    return checkpoint_target(spec, pm, dtype)
 
 
 def _optimizer_state_dict(pm: ShardedModel, optimizer: Any, loaded: dict[str, Any], path: str) -> dict:
@@ -152,7 +151,8 @@ def _optimizer_state_dict(pm: ShardedModel, optimizer: Any, loaded: dict[str, An
     for key, value in loaded.items():
         if key.startswith("optim/") and key != GROUPS_KEY:
             _, name, what = key.split("/", 2)
-            state.setdefault(index[name], {})[what] = value.to_local() if hasattr(value, "to_local") else value
+            state.setdefault(index[name], {})[what] = (from_checkpoint(value.to_local(), pm.state_specs[name], pm)
+                                                       if hasattr(value, "to_local") else value)
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in saved]
     return {"state": state, "param_groups": groups}
 
