@@ -22,17 +22,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from autopar import _compat  # noqa: E402
 from autopar.core.errors import MemoryBudgetError  # noqa: E402
-from autopar.core.kinds import NodeKind  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
-from autopar.passes.emit import emit, local_inputs  # noqa: E402
 from autopar.passes.planning import plan_traced  # noqa: E402
-from autopar.passes.simulate_mesh import run_lockstep  # noqa: E402
-from autopar.passes.trace import flatten_inputs, trace  # noqa: E402
-from autopar.tools.memory_meter import kept_bytes  # noqa: E402
-from autopar.tools.simulated import loss_of  # noqa: E402
+from autopar.passes.trace import trace  # noqa: E402
+from autopar.tools.memory_meter import kept_per_rank  # noqa: E402
 
 
 def _model(name: str, layers: int):
@@ -45,19 +40,6 @@ def _model(name: str, layers: int):
     cfg = T.LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, use_cache=False)
     return T.LlamaForCausalLM(cfg).train()
-
-
-def kept_per_rank(model, args, kwargs, traced, plan) -> float:
-    """Bytes the rank programs' forward leaves for backward, per rank."""
-    state = {k: v.detach() for k, v in {**dict(model.named_parameters(remove_duplicate=False)),
-                                        **dict(model.named_buffers(remove_duplicate=False))}.items()}
-    programs = [emit(traced, plan, plan.mesh.coords(r)) for r in range(plan.mesh.size)]
-    feeds = [[t.requires_grad_(gi.kind is NodeKind.PARAMETER and t.is_floating_point()) for gi, t in
-              zip(p.inputs, local_inputs(p, state, traced.constants, flatten_inputs(args, kwargs)[0],
-                                         plan.mesh.shape, state_is_local=False))] for p in programs]
-    _, kept = kept_bytes(lambda: [loss_of(_compat.tree_unflatten(traced.user_outputs(o), traced.out_spec))
-                                  for o in run_lockstep([p.gm for p in programs], plan.mesh, feeds)])
-    return kept / plan.mesh.size
 
 
 def main() -> None:

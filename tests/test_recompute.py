@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autopar import _compat
 from autopar.core.errors import MemoryBudgetError, PlanFileError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
@@ -22,15 +21,14 @@ from autopar.core.plan import Plan
 from autopar.cost_models.evaluate import evaluate, op_target, recompute_terms
 from autopar.cost_models.model import CostModel
 from autopar.passes import solve as solve_module
-from autopar.passes.emit import emit, local_inputs
+from autopar.passes.emit import emit
 from autopar.passes.planning import plan_traced
 from autopar.passes.recompute import Recomputed
 from autopar.passes.recompute_ilp import block_terms
 from autopar.passes.saved import META_KEY as SAVED_KEY, saved_outputs
-from autopar.passes.simulate_mesh import run_lockstep
-from autopar.passes.trace import flatten_inputs, trace
-from autopar.tools.memory_meter import kept_bytes
-from autopar.tools.simulated import loss_of, simulate_against
+from autopar.passes.trace import trace
+from autopar.tools.memory_meter import kept_per_rank
+from autopar.tools.simulated import simulate_against
 from tests.models import build, inputs
 
 TRAIN = Options(training=True)
@@ -115,7 +113,7 @@ def test_saved_bytes_drop_as_measured(llama4):
     the plan does not count (bench/recompute_memory.py prints all three ratios)."""
     model, args, kwargs, traced, free, smallest = llama4
     tight = _plan(traced, (1,), memory_budget_bytes=smallest)
-    kept_free, kept_tight = _kept(model, args, kwargs, traced, free), _kept(model, args, kwargs, traced, tight)
+    kept_free, kept_tight = kept_per_rank(model, args, kwargs, traced, free), kept_per_rank(model, args, kwargs, traced, tight)
     assert kept_tight < 0.3 * kept_free
     drop = (kept_free - kept_tight) / (free.activation_bytes - tight.activation_bytes)
     assert 0.8 <= drop <= 1.2, (drop, kept_free, kept_tight, free.activation_bytes, tight.activation_bytes)
@@ -133,19 +131,6 @@ def test_saved_outputs_are_found_under_a_callers_inference_mode():
         under = saved_outputs(traced)
     traced.gm.meta.pop(SAVED_KEY)
     assert under == saved_outputs(traced) == {"linear": (True,), "gelu": (True,), "linear_1": (False,)}
-
-
-def _kept(model, args, kwargs, traced, plan: Plan) -> float:
-    """Per rank: bytes made by the rank programs' forward and still held for backward."""
-    state = {k: v.detach() for k, v in {**dict(model.named_parameters(remove_duplicate=False)),
-                                        **dict(model.named_buffers(remove_duplicate=False))}.items()}
-    programs = [emit(traced, plan, plan.mesh.coords(r)) for r in range(plan.mesh.size)]
-    feeds = [[t.requires_grad_(gi.kind is NodeKind.PARAMETER and t.is_floating_point()) for gi, t in
-              zip(p.inputs, local_inputs(p, state, traced.constants, flatten_inputs(args, kwargs)[0],
-                                         plan.mesh.shape, state_is_local=False))] for p in programs]
-    losses, kept = kept_bytes(lambda: [loss_of(_compat.tree_unflatten(traced.user_outputs(o), traced.out_spec))
-                                       for o in run_lockstep([p.gm for p in programs], plan.mesh, feeds)])
-    return kept / plan.mesh.size
 
 
 @pytest.fixture(scope="module")

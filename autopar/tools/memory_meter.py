@@ -18,6 +18,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar import _compat
+from autopar.core.kinds import NodeKind
+from autopar.core.plan import Plan
+from autopar.passes.emit import emit, local_inputs
+from autopar.passes.simulate_mesh import run_lockstep
+from autopar.passes.trace import TracedGraph, flatten_inputs
+from autopar.tools.simulated import loss_of
 
 
 class _Made(_compat.dispatch_mode()):
@@ -54,3 +60,17 @@ def kept_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
         result = fn()
     gc.collect()
     return result, sum(n for ref, n in made.storages.values() if not ref.expired())
+
+
+def kept_per_rank(model: torch.nn.Module, args: tuple, kwargs: dict, traced: TracedGraph, plan: Plan) -> float:
+    """Per rank: the bytes `plan`'s rank programs (run in lockstep, one training forward
+    with parameters as the only leaves that require grad) leave held for backward."""
+    state = {k: v.detach() for k, v in {**dict(model.named_parameters(remove_duplicate=False)),
+                                        **dict(model.named_buffers(remove_duplicate=False))}.items()}
+    programs = [emit(traced, plan, plan.mesh.coords(r)) for r in range(plan.mesh.size)]
+    feeds = [[t.requires_grad_(gi.kind is NodeKind.PARAMETER and t.is_floating_point()) for gi, t in
+              zip(p.inputs, local_inputs(p, state, traced.constants, flatten_inputs(args, kwargs)[0],
+                                         plan.mesh.shape, state_is_local=False))] for p in programs]
+    _, kept = kept_bytes(lambda: [loss_of(_compat.tree_unflatten(traced.user_outputs(o), traced.out_spec))
+                                  for o in run_lockstep([p.gm for p in programs], plan.mesh, feeds)])
+    return kept / plan.mesh.size
