@@ -1,7 +1,9 @@
 """Spawn real gloo ranks, run named cases in each, collect what every rank returns.
 
-Each spawn costs seconds (importing torch in every rank), so a test batches many cases
-into one spawn. A case is a module-level function `case(rank, world, **kw) -> dict`
+Ranks start from a fork server that has imported torch, transformers and autopar once
+per test session (START_METHOD), so a rank does not pay those imports again; the server
+itself never runs a torch op, so no thread pool or process group is forked. Each spawn
+still costs a second or two, so a test batches many cases into one spawn. A case is a module-level function `case(rank, world, **kw) -> dict`
 that builds its model from a fixed seed and returns tensors; the parent compares."""
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+START_METHOD = "forkserver"
+# what the fork server imports before it forks any rank (a failing import is skipped)
+PRELOAD = ["torch", "torch.distributed", "transformers", "autopar.api", "tests.cases"]
 SPAWN_TIMEOUT_S = float(os.environ.get("AUTOPAR_TEST_TIMEOUT_S", "600"))
 COLLECTIVE_TIMEOUT_S = 120
 
@@ -46,10 +51,11 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
 def run_ranks(world: int, cases: list[tuple[Callable, dict]]) -> list[list[Any]]:
     """Run `cases` on `world` gloo ranks; returns results[rank][case]. Raises with the
     first rank's traceback if any case failed there."""
+    mp.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.start_processes(_worker, args=(world, store, tmp, cases), nprocs=world, join=False,
-                                 start_method="spawn")
+                                 start_method=START_METHOD)
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
