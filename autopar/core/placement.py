@@ -193,7 +193,7 @@ def local_shape(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
-            out[p.dim] = -(-out[p.dim] // (mesh_shape[axis] * p.unit)) * p.unit
+            out[p.dim] = largest_block(out[p.dim], mesh_shape[axis], p.unit)
     return tuple(out)
 
 
@@ -202,13 +202,18 @@ def units_of(n: int, p: Shard) -> int:
     return n // p.unit
 
 
+def largest_block(n: int, k: int, unit: int = 1) -> int:
+    """torch.chunk's block of n elements over k ranks (in whole groups of `unit`): every
+    block but the last ones; what a padded collective moves per rank."""
+    return -(-n // (k * unit)) * unit
+
+
 def chunk_sizes(n: int, k: int, unit: int = 1) -> tuple[int, ...]:
     """Block sizes of torch.chunk(n elements, k) padded to k blocks (0 where chunk gives fewer):
     chunk_sizes(1001, 4) == (251, 251, 251, 248), chunk_sizes(6, 4) == (2, 2, 2, 0). With a
     unit, the n / unit units are chunked: chunk_sizes(80, 2, 16) == (48, 32) (5 heads: 3, 2)."""
-    c = n // unit
-    step = -(-c // k)
-    return tuple(max(0, min(step, c - i * step)) * unit for i in range(k))
+    step = largest_block(n, k, unit)
+    return tuple(max(0, min(step, n - i * step)) for i in range(k))
 
 
 def split_blocks(t: torch.Tensor, k: int, dim: int, unit: int = 1) -> tuple[torch.Tensor, ...]:
@@ -233,7 +238,7 @@ def canonical(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_sh
 
 def no_empty_block(n: int, k: int) -> bool:
     """True when every one of k ranks holds at least one of n elements under chunking."""
-    return n >= k and (k - 1) * -(-n // k) < n
+    return n >= k and (k - 1) * largest_block(n, k) < n
 
 
 def replicated(meta: TensorMeta, mesh_ndim: int) -> Spec:
@@ -250,7 +255,7 @@ def block_index(spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]
             chunk = chunk * mesh_shape[a] + coords[a]
             ways *= mesh_shape[a]
             unit = max(unit, spec.placements[a].unit)  # type: ignore[union-attr]
-        step = -(-size // (ways * unit)) * unit  # torch.chunk's block: the last ones may be short
+        step = largest_block(size, ways, unit)  # torch.chunk's block: the last ones may be short
         index.append(slice(min(chunk * step, size), min((chunk + 1) * step, size)))
     return tuple(index)
 

@@ -45,7 +45,7 @@ import torch
 
 from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
-from autopar.core.placement import chunk_sizes, split_blocks
+from autopar.core.placement import chunk_sizes, largest_block, split_blocks
 from autopar.core.resharding import Step
 
 _C10D = torch.ops._c10d_functional
@@ -90,10 +90,6 @@ def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def _block(size: int, n: int, unit: int = 1) -> int:
-    return -(-size // (n * unit)) * unit
-
-
 # ---- 1. moves: launch (issue) and finish (wait, lay out) -------------------------------
 
 def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
@@ -110,17 +106,17 @@ def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
         return _C10D.all_reduce(x.contiguous(), "max" if move.reduce == "max" else "sum", comm.name)
     if kind is StepKind.ALL_GATHER:
         if _short(move.size, n, move.unit):
-            x = _pad(x, move.dim, _block(move.size, n, move.unit))
+            x = _pad(x, move.dim, largest_block(move.size, n, move.unit))
         return _C10D.all_gather_into_tensor(x.contiguous(), n, comm.name)
     if kind is StepKind.REDUCE_SCATTER:
         if _short(move.size, n, move.unit):
-            x = _pad(x, move.dim, n * _block(move.size, n, move.unit))
+            x = _pad(x, move.dim, n * largest_block(move.size, n, move.unit))
         return _C10D.reduce_scatter_tensor(x.movedim(move.dim, 0).contiguous(), "sum", n, comm.name)
     if kind is StepKind.ALL_TO_ALL:  # send chunk i of to_dim to rank i
         if _short(move.size, n, move.unit):
-            x = _pad(x, move.dim, _block(move.size, n, move.unit))
+            x = _pad(x, move.dim, largest_block(move.size, n, move.unit))
         if _short(move.to_size, n, move.to_unit):
-            x = _pad(x, move.to_dim, n * _block(move.to_size, n, move.to_unit))
+            x = _pad(x, move.to_dim, n * largest_block(move.to_size, n, move.to_unit))
         moved = x.movedim(move.to_dim, 0).contiguous()
         splits = [moved.shape[0] // n] * n
         return _C10D.all_to_all_single(moved, splits, splits, comm.name)
