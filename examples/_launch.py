@@ -22,9 +22,23 @@ def mesh_size(mesh: str) -> int:
 def _spawned(rank: int, world: int, store: str, run: Callable, args: Any, timeout_s: float) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+    run_then_leave(run, args)
+
+
+def run_then_leave(run: Callable, args: Any) -> None:
+    """run(rank, world, args) in the initialised group, then every rank leaves together.
+    A rank that tears gloo down while a peer is still busy (rank 0 writing the final
+    state after the last collective) can abort that peer: under torchrun the agent then
+    restarts a run that had finished. So a run that ended well meets at a barrier before
+    destroying its group; one that failed leaves at once (its peers time out or are
+    stopped by the agent)."""
+    finished = False
     try:
-        run(rank, world, args)
+        run(dist.get_rank(), dist.get_world_size(), args)
+        finished = True
     finally:
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -44,10 +58,7 @@ def init_torchrun_group(timeout_s: float) -> None:
 def launch(run: Callable, args: Any, world: int, timeout_s: float = 600) -> None:
     if "RANK" in os.environ:  # under torchrun
         init_torchrun_group(timeout_s)
-        try:
-            run(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
+        run_then_leave(run, args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_spawned, args=(world, os.path.join(tmp, "store"), run, args, timeout_s), nprocs=world,

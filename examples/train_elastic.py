@@ -122,20 +122,6 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         log_attempt(args, event="end", steps_run=args.steps - start)
 
 
-def init_attempt(timeout_s: float) -> None:
-    """The default process group of this torchrun attempt. torchrun (2.4 and later) shares
-    its agent's TCPStore with the workers and keeps it across restarts, so a restarted
-    group would find the dead attempt's gloo addresses under the same keys and connect to
-    them (pytorch/pytorch#135712); a prefix per attempt keeps each attempt's keys apart."""
-    from datetime import timedelta
-    import torch.distributed as dist
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, help="checkpoints, logs, the kill marker and final.pt go here")
@@ -158,15 +144,7 @@ def main() -> None:
     p.add_argument("--data-seed", type=int, default=0)
     args = p.parse_args()
     os.makedirs(args.run_dir, exist_ok=True)
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:  # not under torchrun: spawn the ranks here
-        launch(run, args, mesh_size(args.mesh), timeout_s=120)
-        return
-    import torch.distributed as dist
-    init_attempt(timeout_s=120)
-    try:
-        run(dist.get_rank(), dist.get_world_size(), args)
-    finally:
-        dist.destroy_process_group()
+    launch(run, args, mesh_size(args.mesh), timeout_s=120)  # under torchrun, or spawned here
 
 
 if __name__ == "__main__":

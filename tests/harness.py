@@ -8,6 +8,7 @@ that builds its model from a fixed seed and returns tensors; the parent compares
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 import time
@@ -28,6 +29,7 @@ COLLECTIVE_TIMEOUT_S = 120
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tuple[Callable, dict]]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints where every thread was
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -51,6 +53,9 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
 def run_ranks(world: int, cases: list[tuple[Callable, dict]]) -> list[list[Any]]:
     """Run `cases` on `world` gloo ranks; returns results[rank][case]. Raises with the
     first rank's traceback if any case failed there."""
+    # the fork server imports numpy (through torch), whose OpenBLAS starts a thread pool:
+    # one thread, so the server forks ranks from a single-threaded process
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     mp.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")

@@ -323,9 +323,10 @@ def test_latest_checkpoint_without_ranks(tmp_path):
 
 
 # ---- a lost rank under torchrun ------------------------------------------------------------
-def _torchrun(run_dir: str, *extra: str) -> list[dict]:
+def _torchrun(run_dir: str, *extra: str) -> tuple[list[dict], str]:
     """examples/train_elastic.py on 2 ranks under torchrun's elastic agent (one restart
-    allowed): 8 steps, a checkpoint every 3. Returns rank 0's attempt log."""
+    allowed): 8 steps, a checkpoint every 3. Returns rank 0's attempt log, and the tail of
+    what the job printed (why a rank died, where a restart was not expected)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", "--monitor-interval", "0.1", EXAMPLE, "--run-dir", run_dir, "--mesh", "1,2",
            "--steps", "8", "--every", "3", "--keep", "2", *extra]
@@ -333,20 +334,21 @@ def _torchrun(run_dir: str, *extra: str) -> list[dict]:
                           timeout=400)
     assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     with open(os.path.join(run_dir, "attempts.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f], f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
 @pytest.mark.slow  # two torchrun jobs, three attempts of 2 ranks (~40 s)
 def test_killed_rank_resumes_and_ends_where_an_uninterrupted_run_does(tmp_path):
     killed, plain = str(tmp_path / "killed"), str(tmp_path / "plain")
-    log = _torchrun(killed, "--kill-rank", "1", "--kill-step", "4")
+    log, output = _torchrun(killed, "--kill-rank", "1", "--kill-step", "4")
     assert os.path.exists(os.path.join(killed, "killed.marker")), "rank 1 never killed itself"
     # the agent restarted the group once, and attempt 2 resumed at the step-3 checkpoint, not from scratch
     assert log == [{"event": "start", "step": 0, "resumed": False, "restart": 0},
                    {"event": "start", "step": 3, "resumed": True, "restart": 1},
-                   {"event": "end", "steps_run": 5, "restart": 1}], log
-    assert _torchrun(plain) == [{"event": "start", "step": 0, "resumed": False, "restart": 0},
-                                {"event": "end", "steps_run": 8, "restart": 0}]
+                   {"event": "end", "steps_run": 5, "restart": 1}], f"{log}\n{output}"
+    log, output = _torchrun(plain)
+    assert log == [{"event": "start", "step": 0, "resumed": False, "restart": 0},
+                   {"event": "end", "steps_run": 8, "restart": 0}], f"{log}\n{output}"
     got = torch.load(os.path.join(killed, "final.pt"))
     want = torch.load(os.path.join(plain, "final.pt"))
     assert got.keys() == want.keys()
