@@ -13,6 +13,8 @@ import autopar
 from autopar.core.pipeline import PipelineError, Schedule, Stage
 from autopar.core.plan import Plan
 from autopar.passes.pipeline import Units, microbatch_inputs, split_stages, stage_values, step_time
+from autopar.passes.pipeline_relay import Relayed, relay_skips
+from autopar.runtime.pipeline import _stage_examples, check_skips, split_model
 from tests.models import build, inputs
 
 
@@ -107,6 +109,66 @@ def test_bad_requests_name_the_value_and_the_fix():
         autopar.Options(pipeline_axis=0, dynamic=True)
     with pytest.raises(PipelineError, match=r"schedule 'zigzag' is not known"):
         autopar.Options(pipeline_schedule="zigzag")
+
+
+class SkipNet(torch.nn.Module):
+    """Four blocks and two values that skip stages when each block is a stage: a table made
+    from a buffer (no gradient, as Llama's rotary tables) read by every block, and the
+    first hidden state (with a gradient) read again after the last block."""
+
+    def __init__(self, width: int = 8, reread_input: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, width))
+        self.inp = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        self.reread_input = reread_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = first = self.inp(x)
+        table = torch.cos(self.freq)
+        for block in self.blocks:
+            h = torch.tanh(block(h)) * table
+        return h + first + (x if self.reread_input else 0)
+
+
+def _split_skipnet(**kw):
+    model, x = SkipNet(**kw), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    return split_model(model, (x,), {}, ("blocks.1", "blocks.2", "blocks.3")), x
+
+
+def test_relay_passes_skipping_values_through_the_stages_between():
+    pipe, x = _split_skipnet()
+    before = torch.fx.Interpreter(pipe.split_gm).run(x)
+    own = [pipe.get_stage_module(k) for k in range(4)]
+    own_inputs = [len([n for n in m.graph.nodes if n.op == "placeholder"]) for m in own]
+    assert own_inputs == [1, 2, 2, 3]  # stage 3 reads the table and the first state straight from stage 0
+    relays = relay_skips(pipe.split_gm)
+    # stages 1 and 2 read the table (input 1) and pass it on; the first state, which only
+    # stage 3 reads, comes in as a relay input (input 2); both go out after their own output
+    assert relays == {1: Relayed(2, None, (1, 2)), 2: Relayed(2, None, (1, 2))}
+    stages = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    for k, stage in enumerate(stages):  # every value a stage makes is read by the next stage only
+        for value in [stage, *stage.users]:
+            assert {stages.index(u) for u in value.users if u in stages} <= {k + 1}, value.format_node()
+    assert [n.args[1] for n in stages[1].users] == [0, 1, 2]  # torch numbers outputs by their getitems
+    torch.testing.assert_close(torch.fx.Interpreter(pipe.split_gm).run(x), before)
+    # each stage's program is planned from its own module, left as it was
+    assert [len([n for n in m.graph.nodes if n.op == "placeholder"]) for m in own] == own_inputs
+    assert _stage_examples(pipe, (x,), {})[0][2][0][2].shape == (4, 8)  # the relayed first state reaches stage 2
+    check_skips(pipe, _stage_examples(pipe, (x,), {})[1], True, Schedule.INTERLEAVED_1F1B)  # nothing left to refuse
+
+
+def test_a_model_input_read_by_several_stages_is_refused_by_name():
+    pipe, x = _split_skipnet(reread_input=True)
+    relay_skips(pipe.split_gm)
+    values = _stage_examples(pipe, (x,), {})[1]
+    check_skips(pipe, values, False, Schedule.ONE_F_ONE_B)  # inference: torch sends it to both
+    with pytest.raises(PipelineError, match=r"value x \(shape \(4, 8\), torch.float32\) is read by 2 stages .*relayed"
+                                            r".*cannot send its gradient back"):
+        check_skips(pipe, values, True, Schedule.ONE_F_ONE_B)
+    with pytest.raises(PipelineError, match=r"adjacent stages only. Use pipeline_schedule='1f1b'"):
+        check_skips(pipe, values, False, Schedule.INTERLEAVED_1F1B)
 
 
 # ---- on gloo ranks -----------------------------------------------------------------
@@ -231,55 +293,99 @@ def interleaved_case(rank: int, world: int, mesh: tuple) -> dict:
             "stages": [(s.first, s.stop, s.rank) for s in pipe.plan.pipeline.stages]}
 
 
+def skip_case(rank: int, world: int, mesh: tuple, schedule: str) -> dict:
+    """SkipNet in 4 stages: the table and the first state skip stages and are relayed
+    through the stages between (passes/pipeline_relay.py); the first state's gradient
+    comes back along the relay into stage 0's input layer."""
+    import copy
+    from autopar.runtime.state import gather_full
+    warnings.simplefilter("ignore")
+    model = SkipNet().train()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+    ref = copy.deepcopy(model)
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    pipe = autopar.compile(model, (x,), mesh=mesh, pipeline_axis=0, microbatches=4, training=True, loss_fn=mse,
+                           pipeline_schedule=schedule)
+    loss = pipe.step(x, target=y)
+    grads = {name: gather_full(s.pm.shards.get_parameter(name).grad, spec, s.pm)
+             for s in pipe.stages for name, spec in s.pm.state_specs.items()
+             if name in dict(s.pm.shards.named_parameters())}
+    lead = all(c == 0 for c in mesh_coords(mesh, rank)[1:])
+    return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if lead else {},
+            "ref_grads": {k: p.grad for k, p in ref.named_parameters()},
+            "relayed": sorted(k for k, s in enumerate(pipe.stages) if s.relay)}
+
+
+def test_values_that_skip_stages_are_relayed_with_their_gradients():
+    """4 gloo ranks: SkipNet in 4 stages on (4, 1) under 1F1B, and on (2, 2) under
+    interleaved 1F1B (4 stages on 2 pipeline ranks, each on 2 ranks), against one device."""
+    from tests.harness import run_ranks
+    results = run_ranks(4, [(skip_case, dict(mesh=(4, 1), schedule="1f1b")),
+                            (skip_case, dict(mesh=(2, 2), schedule="interleaved_1f1b"))])
+    for case in (0, 1):
+        _check_pipeline(results, case)
+    assert [r[0]["relayed"] for r in results] == [[], [0], [0], []]  # stages 1 and 2 relay
+    assert [r[1]["relayed"] for r in results] == [[1], [1], [0], [0]]  # stage 2 (rank 0's 2nd), stage 1
+
+
 def mesh_coords(mesh: tuple, rank: int) -> tuple:
     from autopar.core.mesh import Mesh
     return Mesh.of(mesh).coords(rank)
 
 
-def refused_case(rank: int, world: int) -> dict:
-    """Llama in 4 stages: its rotary tables, made before the first block, skip to every
-    stage, and torch cannot send their gradients back to several stages. Then a plan made
-    for other input shapes, refused on every rank."""
+def mismatch_case(rank: int, world: int) -> dict:
+    """A plan made for other input shapes, refused on every rank."""
     warnings.simplefilter("ignore")
     model = build("llama", num_hidden_layers=4).train()
     ids = inputs("llama", batch=4)[1]["input_ids"]
-    out = {"refused": "", "mismatch": ""}
-    try:
-        autopar.compile(model, (), {"input_ids": ids}, mesh=(4, 2), pipeline_axis=0, microbatches=2,
-                        training=True, loss_fn=lm_loss)
-    except PipelineError as e:
-        out["refused"] = str(e)
     other = _planned_on_rank0(lambda: autopar.plan(model, (), {"input_ids": ids[:2]}, mesh=(4, 2), pipeline_axis=1,
                                                    microbatches=2, training=True))  # made for a batch of 2
     try:
         autopar.compile(model, (), {"input_ids": ids}, mesh=(4, 2), pipeline_axis=1, microbatches=2,
                         training=True, loss_fn=lm_loss, plan=other)
     except autopar.FingerprintMismatchError as e:
-        out["mismatch"] = str(e)
-    return out
+        return {"mismatch": str(e)}
+    return {"mismatch": ""}
 
 
 @pytest.mark.slow
 def test_pipelined_losses_and_gradients_match_one_device():
     """8 gloo ranks, one spawn: GPT-2 with 4 layers on (4, 2) pipelining axis 0 under 1F1B
-    (4 stages on 2 ranks each; the mask stage 0 makes goes straight to stages 2 and 3),
-    Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2) sub-mesh);
-    Llama in 4 stages is refused with the value that skips stages named; "auto" keeping the
-    plain plan steps one ParallelModule over (2, 4); an MLP in 4 stages on 2 pipeline ranks
-    of (2, 4) under interleaved 1F1B."""
+    (4 stages on 2 ranks each; the mask stage 0 makes is relayed through stage 1 to stages
+    2 and 3), Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2)
+    sub-mesh); Llama with 4 layers in 4 stages on (4, 2) under 1F1B (its rotary tables and
+    mask, made before the first block, relayed to every stage); a plan for other shapes
+    refused; "auto" keeping the plain plan steps one ParallelModule over (2, 4); an MLP in
+    4 stages on 2 pipeline ranks of (2, 4) under interleaved 1F1B."""
     from tests.harness import run_ranks
     cases = [(pipeline_case, dict(family="gpt2", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
              (pipeline_case, dict(family="llama", mesh=(2, 2, 2), axis=0, schedule="gpipe")),
-             (refused_case, {}), (plain_case, {}), (interleaved_case, dict(mesh=(2, 4)))]
+             (mismatch_case, {}), (plain_case, {}), (interleaved_case, dict(mesh=(2, 4))),
+             (pipeline_case, dict(family="llama", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
+                                  microbatches=4, batch=8))]
     results = run_ranks(8, cases)
-    for i in (0, 1, 3, 4):
+    for i in (0, 1, 3, 4, 5):
         _check_pipeline(results, i)
     assert results[0][4]["stages"] == [(0, 1, 0), (1, 2, 1), (2, 3, 0), (3, 4, 1)]
     assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert results[0][1]["stages"] == [(0, 1), (1, 2)]
+    assert results[0][5]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     # the stages' own plans split some input they receive, so the gradients sent back are
     # assembled from blocks (runtime/pipeline.py step 4), not merely passed through
     assert sum(r[i]["split_inputs"] for r in results for i in range(2)) > 0
-    assert "is read by 3 stages" in results[0][2]["refused"] and "Use 2 stages" in results[0][2]["refused"]
     assert all("the given plan was made for LlamaForCausalLM" in r[2]["mismatch"] for r in results)
+
+
+@pytest.mark.slow
+def test_llama_interleaved_relays_its_rotary_tables():
+    """2 gloo ranks: Llama with 4 layers in 4 stages on (2, 1) under interleaved 1F1B. Its
+    rotary tables and mask move between adjacent stages only (relayed), and the keyword
+    input torch hands to both stages of a rank reaches stage 0 only."""
+    from tests.harness import run_ranks
+    results = run_ranks(2, [(pipeline_case, dict(family="llama", mesh=(2, 1), axis=0, schedule="interleaved_1f1b",
+                                                 layers=4, microbatches=4, batch=8))])
+    _check_pipeline(results, 0)
+    assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]

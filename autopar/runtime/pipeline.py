@@ -21,7 +21,11 @@
    holding each block (_FullInputGrad); every rank then sends the same full gradient.
 5. After each step, a tied parameter with a copy in several stages (GPT-2's wte and
    lm_head) gets the summed gradient in every copy (sync_tied_grads), so copies step alike.
-6. What torch's schedules cannot run is refused up front, naming the value (check_skips).
+6. A value read by a stage further than the next one (Llama's rotary tables and mask) is
+   relayed through the stages in between (passes/pipeline_relay.py): torch cannot take a
+   gradient back from two readers. A relaying stage returns a copy of the relay input
+   after its own outputs (StageModule.forward); its own program never sees it.
+7. What torch's schedules still cannot run is refused up front, naming the value (check_skips).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.emit import check_fingerprint
 from autopar.passes.pipeline import microbatch_inputs, plan_model, stage_mesh
+from autopar.passes.pipeline_relay import Relayed, relay_skips
 from autopar.passes.planning import trace_for_planning
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
@@ -73,14 +78,16 @@ class _FullInputGrad(torch.autograd.Function):
 
 class StageModule(nn.Module):
     """What torch's pipeline stage runs: one stage's ParallelModule, its inputs' gradients made
-    whole for the previous stage."""
+    whole for the previous stage, and the values it relays (step 6) passed on after its outputs."""
 
-    def __init__(self, pm: ParallelModule, group: Any, split: torch.fx.GraphModule) -> None:
+    def __init__(self, pm: ParallelModule, group: Any, split: torch.fx.GraphModule,
+                 relay: Optional[Relayed] = None) -> None:
         super().__init__()
-        self.pm, self.group = pm, group
+        self.pm, self.group, self.relay = pm, group, relay
         self.__dict__["split"] = split  # torch's stage module (not a submodule: its weights are not ours)
         self.replicas: tuple[int, ...] = ()
         self.differentiable: tuple[bool, ...] = ()  # which outputs carry a gradient in torch's own stage
+        self.keywords: tuple[str, ...] = ()  # the model's keyword inputs, which only the first stage takes
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -89,8 +96,10 @@ class StageModule(nn.Module):
 
     def prepare(self, args: tuple, kwargs: dict) -> None:
         """Trace and plan for one microbatch now (every rank of the sub-mesh together)."""
-        self.pm.prepare(args, kwargs)
-        specs = list(self.pm.input_specs.values())[: len(args)]
+        own = args[: self.relay.inputs] if self.relay else args
+        self.pm.prepare(own, kwargs)
+        self.keywords = tuple(kwargs)
+        specs = list(self.pm.input_specs.values())[: len(own)]
         shape = self.pm.mesh.shape
         self.replicas = tuple(prod(n for p, n in zip(s.placements, shape) if isinstance(p, Replicate))
                               for s in specs)
@@ -102,10 +111,17 @@ class StageModule(nn.Module):
                                     for o in (outs if isinstance(outs, tuple) else (outs,)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args = tuple(_FullInputGrad.apply(x, self.group, r)
-                     if isinstance(x, torch.Tensor) and x.requires_grad and self.pm.mesh.size > 1 else x
-                     for x, r in zip(args, self.replicas + (1,) * len(args)))
-        out = self.pm(*args, **kwargs)
+        own = args[: self.relay.inputs] if self.relay else args
+        own = tuple(_FullInputGrad.apply(x, self.group, r)
+                    if isinstance(x, torch.Tensor) and x.requires_grad and self.pm.mesh.size > 1 else x
+                    for x, r in zip(own, self.replicas + (1,) * len(own)))
+        # torch's interleaved schedule hands the step's keywords to every stage on this rank
+        out = self.pm(*own, **{k: v for k, v in kwargs.items() if k in self.keywords})
+        if self.relay:
+            # a copy (not the received tensor itself, which torch detaches in place after
+            # backward): its gradient, whole on every rank already, adds to the input's
+            relayed = tuple(args[j].clone() for j in self.relay.passed)
+            out = ((out,) if self.relay.outputs is None else tuple(out)) + relayed
         if not isinstance(out, tuple):
             return out
         # a value made from no parameter (a mask, rotary tables) leaves torch's stage without
@@ -148,6 +164,8 @@ class PipelinedModule:
         self.pipe_group = pipe_group
         self.tied = tied_parameters(model)
         pipe = split_model(model, mb_args, mb_kwargs, p.split_points)
+        own_modules = [pipe.get_stage_module(k) for k in range(len(p.stages))]  # before relaying (step 6)
+        relays = relay_skips(pipe.split_gm)
         examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
         check_skips(pipe, values, self.plan.training, p.schedule)
         coordinate = mesh.coords(dist.get_rank())[p.axis]
@@ -158,13 +176,12 @@ class PipelinedModule:
                 continue
             # stage 0 is called as the user calls the model (keywords stay keywords)
             ins, kw = (mb_args, mb_kwargs) if stage.index == 0 else examples[stage.index]
-            split = pipe.get_stage_module(stage.index)
-            pm = ParallelModule(split, stage_mesh(mesh, p.axis), stage_options, groups=sub_groups)
-            module = StageModule(pm, sub_groups.group, split)
+            pm = ParallelModule(own_modules[stage.index], stage_mesh(mesh, p.axis), stage_options, groups=sub_groups)
+            module = StageModule(pm, sub_groups.group, pipe.get_stage_module(stage.index), relays.get(stage.index))
             module.prepare(ins, kw)
             self.stages.append(module)
             # torch's stage for a pipeline() split: it routes every value to the stage that
-            # reads it (a mask made by stage 0 goes straight to stage 3), as the graph says
+            # reads it, as the graph says (after relaying: the next stage)
             torch_stages.append(pp.build_stage(module, stage.index, pipe.info(), device, pipe_group))
         schedule = SCHEDULES[p.schedule]
         if p.schedule is Schedule.INTERLEAVED_1F1B:
@@ -292,20 +309,21 @@ def _stage_examples(pipe: Any, args: tuple, kwargs: dict) -> tuple[list[tuple[tu
 
 
 def check_skips(pipe: Any, values: dict[str, Any], training: bool, schedule: Schedule) -> None:
-    """A PipelineError for a value read by more than one stage ('skip connection') where
-    torch cannot run it: a floating one in training (its gradient would go back to several
-    stages), any under the interleaved schedule (adjacent stages only)."""
+    """A PipelineError for a value still read by more than one stage after relaying (step
+    6 relays what the stages make; a model input read past the first stage is not
+    relayed) where torch cannot run it: a floating one in training (its gradient would go
+    back to several stages), any under the interleaved schedule (adjacent stages only)."""
     for node in pipe.split_gm.graph.nodes:
         readers = [u.name for u in node.users if u.op == "call_module"]
         value = values.get(node.name)
         if len(readers) < 2 or not isinstance(value, torch.Tensor):
             continue
-        what = (f"value {node.name} (shape {tuple(value.shape)}, {value.dtype}) is read by {len(readers)} stages "
-                f"({', '.join(readers)})")
+        what = (f"value {node.name} (shape {tuple(value.shape)}, {value.dtype}) is read by {len(readers)} "
+                f"stages ({', '.join(readers)}); only values the stages make are relayed between them")
         if schedule is Schedule.INTERLEAVED_1F1B:
             raise PipelineError(f"{what}; torch's interleaved schedule passes values between adjacent stages only. "
                                 "Use pipeline_schedule='1f1b' or 'gpipe'")
         if training and value.is_floating_point():
             raise PipelineError(f"{what}; torch.distributed.pipelining cannot send its gradient back to more than "
-                                "one stage in training ('skip connections'). Use 2 stages (a pipeline axis of size "
-                                "2), or plan without pipeline_axis")
+                                "one stage in training ('skip connections'). Compute what the later blocks need "
+                                "from it before the first block, or plan without pipeline_axis")
