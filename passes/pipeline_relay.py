@@ -34,7 +34,10 @@ about how the value was made, and the planner already prices it: passes/pipeline
 charges a value at every boundary between its maker and its last reader.
 
 1. Find the stages (call_module nodes, in order: torch numbers stages so) and, per value a
-   stage makes, its readers further than the next stage.
+   stage makes, its readers further than the next stage. Only values `must_relay` picks
+   (by their example value) are relayed: the runtime picks floating ones in training and
+   all under the interleaved schedule; torch sends the rest (GPT-2's boolean mask, values
+   in inference) straight to every reader, one send each instead of a chain.
 2. For each such value, walk the stages in between: add the relay input (or reuse the one
    the stage reads the value by) and a relay output, whose getitem carries the value on.
 3. Each changed stage gets a new GraphModule (the old one, which its own program is
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import fx
 
@@ -74,9 +77,10 @@ class _Edit:
     relays: list[int] = field(default_factory=list)
 
 
-def relay_skips(split_gm: fx.GraphModule) -> dict[int, Relayed]:
-    """Rewrite torch's split graph in place so that every stage output is read by the next
-    stage only (steps 1-3); returns how each changed stage's module differs, by index."""
+def relay_skips(split_gm: fx.GraphModule, must_relay: Callable[[Any], bool]) -> dict[int, Relayed]:
+    """Rewrite torch's split graph in place so that every stage output `must_relay` picks
+    is read by the next stage only (steps 1-3); returns how each changed stage's module
+    differs, by stage index."""
     # 1.
     stages = [n for n in split_gm.graph.nodes if n.op == "call_module"]
     index = {n: k for k, n in enumerate(stages)}
@@ -84,7 +88,7 @@ def relay_skips(split_gm: fx.GraphModule) -> dict[int, Relayed]:
     for i, stage in enumerate(stages):
         for value in _outputs(stage):
             readers = [index[u] for u in value.users if u in index]
-            if readers and max(readers) > i + 1:
+            if readers and max(readers) > i + 1 and must_relay(_value_meta(split_gm, value)):
                 # 2.
                 _relay(split_gm, stages, edits, value, i, max(readers))
     # 3.

@@ -143,7 +143,7 @@ def test_relay_passes_skipping_values_through_the_stages_between():
     own = [pipe.get_stage_module(k) for k in range(4)]
     own_inputs = [len([n for n in m.graph.nodes if n.op == "placeholder"]) for m in own]
     assert own_inputs == [1, 2, 2, 3]  # stage 3 reads the table and the first state straight from stage 0
-    relays = relay_skips(pipe.split_gm)
+    relays = relay_skips(pipe.split_gm, lambda val: val.is_floating_point())
     # stages 1 and 2 read the table (input 1) and pass it on; the first state, which only
     # stage 3 reads, comes in as a relay input (input 2); both go out after their own output
     assert relays == {1: Relayed(2, None, (1, 2)), 2: Relayed(2, None, (1, 2))}
@@ -157,11 +157,16 @@ def test_relay_passes_skipping_values_through_the_stages_between():
     assert [len([n for n in m.graph.nodes if n.op == "placeholder"]) for m in own] == own_inputs
     assert _stage_examples(pipe, (x,), {})[0][2][0][2].shape == (4, 8)  # the relayed first state reaches stage 2
     check_skips(pipe, _stage_examples(pipe, (x,), {})[1], True, Schedule.INTERLEAVED_1F1B)  # nothing left to refuse
+    # what must_relay declines (here the first state) still goes straight to its reader
+    pipe, x = _split_skipnet()
+    assert relay_skips(pipe.split_gm, lambda val: val.dim() == 1) == {1: Relayed(2, None, (1,)),
+                                                                      2: Relayed(2, None, (1,))}
+    assert [len(n.args) for n in pipe.split_gm.graph.nodes if n.op == "call_module"] == [1, 2, 2, 3]
 
 
 def test_a_model_input_read_by_several_stages_is_refused_by_name():
     pipe, x = _split_skipnet(reread_input=True)
-    relay_skips(pipe.split_gm)
+    relay_skips(pipe.split_gm, lambda val: True)
     values = _stage_examples(pipe, (x,), {})[1]
     check_skips(pipe, values, False, Schedule.ONE_F_ONE_B)  # inference: torch sends it to both
     with pytest.raises(PipelineError, match=r"value x \(shape \(4, 8\), torch.float32\) is read by 2 stages .*relayed"
@@ -353,10 +358,10 @@ def mismatch_case(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_pipelined_losses_and_gradients_match_one_device():
     """8 gloo ranks, one spawn: GPT-2 with 4 layers on (4, 2) pipelining axis 0 under 1F1B
-    (4 stages on 2 ranks each; the mask stage 0 makes is relayed through stage 1 to stages
-    2 and 3), Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2)
-    sub-mesh); Llama with 4 layers in 4 stages on (4, 2) under 1F1B (its rotary tables and
-    mask, made before the first block, relayed to every stage); a plan for other shapes
+    (4 stages on 2 ranks each; the boolean mask stage 0 makes goes straight to stages 2 and
+    3), Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2)
+    sub-mesh); Llama with 4 layers in 4 stages on (4, 2) under 1F1B (its rotary tables,
+    made before the first block, relayed to every stage); a plan for other shapes
     refused; "auto" keeping the plain plan steps one ParallelModule over (2, 4); an MLP in
     4 stages on 2 pipeline ranks of (2, 4) under interleaved 1F1B."""
     from tests.harness import run_ranks

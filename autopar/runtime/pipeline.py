@@ -21,9 +21,10 @@
    holding each block (_FullInputGrad); every rank then sends the same full gradient.
 5. After each step, a tied parameter with a copy in several stages (GPT-2's wte and
    lm_head) gets the summed gradient in every copy (sync_tied_grads), so copies step alike.
-6. A value read by a stage further than the next one (Llama's rotary tables and mask) is
-   relayed through the stages in between (passes/pipeline_relay.py): torch cannot take a
-   gradient back from two readers. A relaying stage returns a copy of the relay input
+6. A value read by a stage further than the next one (Llama's rotary tables) is relayed
+   through the stages in between (passes/pipeline_relay.py) where torch cannot send it
+   straight: floating in training (torch takes a gradient back from one reader only), any
+   under the interleaved schedule. A relaying stage returns a copy of the relay input
    after its own outputs (StageModule.forward); its own program never sees it.
 7. What torch's schedules still cannot run is refused up front, naming the value (check_skips).
 """
@@ -165,7 +166,8 @@ class PipelinedModule:
         self.tied = tied_parameters(model)
         pipe = split_model(model, mb_args, mb_kwargs, p.split_points)
         own_modules = [pipe.get_stage_module(k) for k in range(len(p.stages))]  # before relaying (step 6)
-        relays = relay_skips(pipe.split_gm)
+        interleaved, training = p.schedule is Schedule.INTERLEAVED_1F1B, self.plan.training
+        relays = relay_skips(pipe.split_gm, lambda val: interleaved or (training and val.is_floating_point()))
         examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
         check_skips(pipe, values, self.plan.training, p.schedule)
         coordinate = mesh.coords(dist.get_rank())[p.axis]
