@@ -363,21 +363,24 @@ def test_pipelined_losses_and_gradients_match_one_device():
     sub-mesh); Llama with 4 layers in 4 stages on (4, 2) under 1F1B (its rotary tables,
     made before the first block, relayed to every stage); a plan for other shapes
     refused; "auto" keeping the plain plan steps one ParallelModule over (2, 4); an MLP in
-    4 stages on 2 pipeline ranks of (2, 4) under interleaved 1F1B."""
+    4 stages on 2 pipeline ranks of (2, 4) under interleaved 1F1B; GPT-2 on (2, 2, 2) under
+    1F1B (2 stages)."""
     from tests.harness import run_ranks
     cases = [(pipeline_case, dict(family="gpt2", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
              (pipeline_case, dict(family="llama", mesh=(2, 2, 2), axis=0, schedule="gpipe")),
              (mismatch_case, {}), (plain_case, {}), (interleaved_case, dict(mesh=(2, 4))),
              (pipeline_case, dict(family="llama", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
-                                  microbatches=4, batch=8))]
+                                  microbatches=4, batch=8)),
+             (pipeline_case, dict(family="gpt2", mesh=(2, 2, 2), axis=0, schedule="1f1b"))]
     results = run_ranks(8, cases)
-    for i in (0, 1, 3, 4, 5):
+    for i in (0, 1, 3, 4, 5, 6):
         _check_pipeline(results, i)
     assert results[0][4]["stages"] == [(0, 1, 0), (1, 2, 1), (2, 3, 0), (3, 4, 1)]
     assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert results[0][1]["stages"] == [(0, 1), (1, 2)]
     assert results[0][5]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert results[0][6]["stages"] == [(0, 1), (1, 2)]
     # the stages' own plans split some input they receive, so the gradients sent back are
     # assembled from blocks (runtime/pipeline.py step 4), not merely passed through
     assert sum(r[i]["split_inputs"] for r in results for i in range(2)) > 0
