@@ -17,18 +17,22 @@
 4. Dynamic programming over contiguous block ranges: for n stages,
        F[k][j] = min_i max(F[k-1][i], cost(i, j)),   cost(i, j) = sum of units i..j-1 (+ the
        part before the blocks if i = 0, + the part after if j = L) + send after j-1 (j < L)
-   minimises the slowest stage (balance). The step then takes
+   minimises the slowest stage (balance). Under Options.memory_budget_bytes only ranges
+   whose stage fits are allowed (passes/pipeline_split.py: parameters + state + the
+   activations of its microbatches in flight); PipelineMemoryError names the smallest
+   heaviest rank when no split fits. The step then takes
        T = M * (slowest rank's load per microbatch) + (S - 1) * (slowest stage)
    (the second term is the bubble: (S-1)/M of a stage step per microbatch; interleaved
    schedules hold v chunks per rank, so the bubble shrinks by v).
 5. pipeline_axis="auto": every axis of size > 1 whose stages fit the blocks is tried
    against the plain ILP over the whole mesh at the full batch; the cheapest wins (ties:
-   the plain plan, then the lower axis).
+   the plain plan, then the lower axis). Under a budget a candidate that does not fit
+   drops out, so a pipeline that fits wins over a plain plan that does not.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,27 +42,19 @@ from autopar.core.kinds import NodeKind
 from autopar.core.links import link_overrides
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, check_request
+from autopar.core.errors import MemoryBudgetError
+from autopar.core.pipeline import (PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
+                                   check_request)
 from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import find_blocks
+from autopar.passes.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
+                                         split_stages)
 from autopar.passes.planning import plan_annotated, plan_traced, trace_for_planning
 from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph
 
 AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class Units:
-    """What the stage DP chooses over: the price of each block and of the parts around
-    them, and the bytes crossing each boundary between blocks."""
-
-    container: str
-    block_s: tuple[float, ...]  # one microbatch through block i (forward + backward in training)
-    before_s: float  # the nodes before the first block (embeddings): stage 0
-    after_s: float  # the nodes after the last block (final norm, head, loss): the last stage
-    boundary_bytes: tuple[int, ...]  # [j]: bytes sent from block j to block j+1 (len = blocks - 1)
 
 
 # ---- 0. inputs and meshes ----------------------------------------------------------
@@ -104,7 +100,26 @@ def units_of(graph: AnnotatedGraph, plan: Plan) -> Units:
             after_s += price[n.name]
         else:
             block_s[p] += price[n.name]
-    return Units(container, tuple(block_s), before_s, after_s, _boundary_bytes(graph, position, blocks))
+    return Units(container, tuple(block_s), before_s, after_s, _boundary_bytes(graph, position, blocks),
+                 *_unit_bytes(plan, position, blocks))
+
+
+def _unit_bytes(sub: Plan, position: dict[str, int], blocks: int
+                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Each block's (parameter, gradient + optimiser state, activation) bytes per rank in
+    the sub-mesh plan; what comes before the blocks counts with block 0 and what comes
+    after with the last (their stages hold them). Activations are op outputs for one
+    microbatch (an upper bound, as Plan.activation_bytes); the state is the sub-mesh
+    plan's, shared out in proportion to parameter bytes."""
+    params, acts = [0] * blocks, [0] * blocks
+    for n in sub.nodes:
+        p = min(max(position[n.name], 0), blocks - 1)
+        if n.kind.is_state:
+            params[p] += n.outputs[0].local_nbytes(sub.mesh.shape)
+        elif n.kind is NodeKind.OP:
+            acts[p] += sum(o.local_nbytes(sub.mesh.shape) for o in n.outputs)
+    state = [sub.state_bytes * b // max(sub.param_bytes, 1) for b in params]
+    return tuple(params), tuple(state), tuple(acts)
 
 
 def _positions(graph: AnnotatedGraph) -> tuple[str, dict[str, int]]:
@@ -152,34 +167,6 @@ def _boundary_bytes(graph: AnnotatedGraph, position: dict[str, int], blocks: int
 
 # ---- 4. the stage DP ---------------------------------------------------------------
 
-def split_stages(units: Units, send_s: tuple[float, ...], stages: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous block ranges, one per stage, minimising the slowest stage (step 4).
-    Ties go to the earliest split, so the answer never depends on iteration order."""
-    blocks = len(units.block_s)
-    prefix = [0.0]
-    for c in units.block_s:
-        prefix.append(prefix[-1] + c)
-
-    def cost(i: int, j: int) -> float:
-        return (prefix[j] - prefix[i] + (units.before_s if i == 0 else 0.0)
-                + (units.after_s if j == blocks else send_s[j - 1]))
-    inf = float("inf")
-    best = [[inf] * (blocks + 1) for _ in range(stages + 1)]
-    cut = [[0] * (blocks + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for j in range(k, blocks + 1):
-            for i in range(k - 1, j):
-                value = max(best[k - 1][i], cost(i, j))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    ranges, j = [], blocks
-    for k in range(stages, 0, -1):
-        ranges.append((cut[k][j], j))
-        j = cut[k][j]
-    return tuple(reversed(ranges))
-
-
 def stage_values(units: Units, send_s: tuple[float, ...], send_bytes: tuple[int, ...],
                  ranges: tuple[tuple[int, int], ...], ranks: int) -> tuple[Stage, ...]:
     blocks = len(units.block_s)
@@ -223,13 +210,15 @@ class SubMeshSolves:
 def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
     """Options for the sub-mesh solve, with the node count that gives each remaining axis
     the link kind (intra- or inter-node) it has in the whole mesh on Options.nodes nodes
-    (the smallest such count; one node if none does)."""
+    (the smallest such count; one node if none does). The sub-mesh plan is solved without
+    the memory budget: it covers the whole graph, more than any one stage holds; the budget
+    bounds the stage split instead (_fitting_split)."""
     sub = stage_mesh(mesh, axis)
     want = tuple(k for a, k in enumerate(mesh.link_kinds(options.nodes)) if a != axis) or sub.link_kinds(1)
     for nodes in range(1, sub.size + 1):
         if sub.size % nodes == 0 and sub.link_kinds(nodes) == want:
-            return replace(options, nodes=nodes)
-    return replace(options, nodes=1)
+            return replace(options, nodes=nodes, memory_budget_bytes=None)
+    return replace(options, nodes=1, memory_budget_bytes=None)
 
 
 def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:
@@ -249,11 +238,15 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     link = CostModel.analytic(options.device, mesh.shape, training, options.nodes,
                               link_overrides(options.links)).link(axis)
     sends = tuple((link.alpha_s + b * link.beta_s_per_byte) * (2 if training else 1) for b in units.boundary_bytes)
-    stages = stage_values(units, sends, units.boundary_bytes, split_stages(units, sends, n_stages), ranks)
+    stages = stage_values(units, sends, units.boundary_bytes, _fitting_split(units, sends, n_stages, options), ranks)
     step_s, bubble_s = step_time(stages, ranks, microbatches)
     pipeline = PipelinePlan(axis, microbatches, schedule, units.container, len(units.block_s), stages, bubble_s, step_s)
     comm_share = sub.comm_s / sub.total_s if sub.total_s else 0.0
-    param_bytes, state_bytes, activation_bytes = _stage_memory(sub, graph, stages, units, schedule, microbatches)
+    param_bytes, state_bytes, activation_bytes = rank_bytes(units, stages, schedule, microbatches)
+    budget = options.memory_budget_bytes
+    if budget is not None and param_bytes + state_bytes + activation_bytes > budget:  # interleaved: v stages a rank
+        raise PipelineMemoryError(budget, param_bytes + state_bytes + activation_bytes, n_stages,
+                                  len(units.block_s), schedule.value)
     return Plan(mesh, full.model_name, full.fingerprint, training, sub.device, (), (), step_s * (1 - comm_share),
                 step_s * comm_share, param_bytes, activation_bytes,
                 replace(sub.solver, objective_s=step_s), sub.unruled_ops, state_bytes=state_bytes,
@@ -261,38 +254,20 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
                           "microbatch size", discovered_ops=sub.discovered_ops, pipeline=pipeline)
 
 
-def in_flight(schedule: Schedule, stage: Stage, n_stages: int, microbatches: int) -> int:
-    """Microbatches whose activations a stage holds at once: all of them under GPipe (every
-    forward before any backward), at most the stages after it under 1F1B."""
-    if schedule is Schedule.GPIPE:
-        return microbatches
-    return min(microbatches, n_stages - stage.index)
-
-
-def _stage_memory(sub: Plan, graph: AnnotatedGraph, stages: tuple[Stage, ...], units: Units,
-                  schedule: Schedule, microbatches: int) -> tuple[int, int, int]:
-    """(parameter, gradient + optimiser state, activation) bytes of the heaviest pipeline
-    rank: its stages' parameters, their share of the sub-mesh plan's state, and each
-    stage's op outputs (an upper bound, as Plan.activation_bytes) times its microbatches
-    in flight."""
-    _, position = _positions(graph)
-    blocks = len(units.block_s)
-    params = [0] * len(stages)
-    acts = [0] * len(stages)
-    for n in sub.nodes:
-        p = min(max(position[n.name], 0), blocks - 1)
-        k = next(s.index for s in stages if s.first <= p < s.stop)
-        if n.kind.is_state:
-            params[k] += n.outputs[0].local_nbytes(sub.mesh.shape)
-        elif n.kind is NodeKind.OP:
-            acts[k] += sum(o.local_nbytes(sub.mesh.shape) for o in n.outputs)
-    per_rank: dict[int, tuple[int, int, int]] = {}
-    for s in stages:
-        state = sub.state_bytes * params[s.index] // max(sub.param_bytes, 1)
-        act = acts[s.index] * in_flight(schedule, s, len(stages), microbatches)
-        old = per_rank.get(s.rank, (0, 0, 0))
-        per_rank[s.rank] = (old[0] + params[s.index], old[1] + state, old[2] + act)
-    return max(per_rank.values(), key=sum)
+def _fitting_split(units: Units, sends: tuple[float, ...], n_stages: int, options: Options
+                   ) -> tuple[tuple[int, int], ...]:
+    """The fastest split within Options.memory_budget_bytes (step 4 under the budget);
+    PipelineMemoryError with the smallest heaviest rank when none fits."""
+    schedule, budget = Schedule.of(options.pipeline_schedule), options.memory_budget_bytes
+    bound = None if budget is None else MemoryBound(budget, schedule, options.microbatches)
+    ranges = split_stages(units, sends, n_stages, bound)
+    if ranges is not None:
+        return ranges
+    assert bound is not None  # without a bound every split is allowed
+    ranks = n_stages // schedule.chunks_per_rank
+    smallest = stage_values(units, sends, units.boundary_bytes, smallest_split(units, n_stages, bound), ranks)
+    raise PipelineMemoryError(budget, sum(rank_bytes(units, smallest, schedule, options.microbatches)), n_stages,
+                              len(units.block_s), schedule.value)
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
@@ -312,14 +287,23 @@ def choose_plan(full: TracedGraph, micro: TracedGraph, mesh: Mesh, options: Opti
     solves = SubMeshSolves(micro, options)
     if axis != AUTO:
         return pipelined_plan(full, solves, mesh, axis, options)
-    best = plain()
+    best, refused = None, []  # under a budget, a pipeline that fits beats a plain plan that does not
+    try:
+        best = plain()
+    except MemoryBudgetError as e:
+        refused.append(e)
     for a, size in enumerate(mesh.shape):
         if size == 1:
             continue
         try:
             candidate = pipelined_plan(full, solves, mesh, a, options)
+        except MemoryBudgetError as e:
+            refused.append(e)
+            continue
         except PipelineError:
             continue  # more stages than blocks on this axis: not a candidate
-        if candidate.total_s < best.total_s:
+        if best is None or candidate.total_s < best.total_s:
             best = candidate
+    if best is None:  # nothing fits: the error whose plan comes closest
+        raise min(refused, key=lambda e: e.smallest_bytes)
     return best

@@ -20,12 +20,32 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from autopar.core.errors import OptionsError
+from autopar.core.errors import MemoryBudgetError, OptionsError, SolverError
 
 
 class PipelineError(OptionsError):
     """A pipeline request that cannot be met (too many stages, microbatches that do not
     divide the batch, an axis that is not on the mesh)."""
+
+
+class PipelineMemoryError(MemoryBudgetError):
+    """No split of the blocks into pipeline stages keeps the heaviest pipeline rank within
+    Options.memory_budget_bytes; carries the budget, the smallest heaviest rank any split
+    reaches, and the request (so a caller catching MemoryBudgetError sees the same fields)."""
+
+    def __init__(self, budget: int, smallest: int, stages: int, blocks: int, schedule: str) -> None:
+        self.budget_bytes, self.smallest_bytes = budget, smallest
+        self.stages, self.blocks, self.schedule = stages, blocks, schedule
+        more_microbatches = ("use more microbatches (each holds fewer activations)" if schedule != "gpipe" else
+                             "use schedule '1f1b' with more microbatches (GPipe holds every microbatch's activations)")
+        SolverError.__init__(self, (
+            f"no split of {blocks} blocks into {stages} pipeline stages ({schedule}) fits the memory budget of "
+            f"{budget} bytes ({budget / 2**20:.2f} MiB) per rank; the smallest heaviest pipeline rank any split "
+            f"reaches is {smallest} bytes ({smallest / 2**20:.2f} MiB). Pipeline over more stages (a larger "
+            f"pipeline axis), {more_microbatches}, use a larger mesh, or raise Options.memory_budget_bytes"))
+
+    def __reduce__(self):
+        return (type(self), (self.budget_bytes, self.smallest_bytes, self.stages, self.blocks, self.schedule))
 
 
 class Schedule(str, Enum):

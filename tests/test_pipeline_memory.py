@@ -1,0 +1,103 @@
+"""The memory budget bounds the pipeline stage split: the DP in closed form on synthetic
+block bytes, the error when no split fits, and planned GPT-2 within the budget."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+
+import autopar
+from autopar.core.errors import MemoryBudgetError
+from autopar.core.options import Options
+from autopar.core.pipeline import PipelineMemoryError, Schedule
+from autopar.passes import pipeline
+from autopar.passes.pipeline import _fitting_split
+from autopar.passes.pipeline_split import MemoryBound, Units, smallest_split, split_stages
+from tests.models import build, inputs
+
+FREE = (0.0, 0.0, 0.0)  # free sends between 4 blocks
+
+
+def _units(params=(0, 0, 0, 0), acts=(0, 0, 0, 0)) -> Units:
+    """Four 1 s blocks with the given bytes (no state)."""
+    return Units("h", (1.0,) * 4, 0.0, 0.0, (0, 0, 0), params, (0,) * 4, acts)
+
+
+def test_a_budget_forces_a_slower_split_that_fits():
+    heavy_last = _units(params=(10, 10, 10, 40))
+    assert split_stages(heavy_last, FREE, 2) == ((0, 2), (2, 4))  # the fastest: 2 s a stage, 20 and 50 bytes
+    bound = MemoryBound(45, Schedule.ONE_F_ONE_B, 2)
+    assert split_stages(heavy_last, FREE, 2, bound) == ((0, 3), (3, 4))  # 3 s, but 30 and 40 bytes
+    assert split_stages(heavy_last, FREE, 2, MemoryBound(50, Schedule.ONE_F_ONE_B, 2)) == ((0, 2), (2, 4))
+
+
+def test_activations_count_once_per_microbatch_in_flight():
+    acts = _units(acts=(10, 10, 10, 10))
+    # 1F1B with 4 microbatches: stage 0 holds 2 in flight, stage 1 holds 1
+    bound = MemoryBound(35, Schedule.ONE_F_ONE_B, 4)
+    assert [bound.stage_bytes(acts, 0, 2, 0, 2), bound.stage_bytes(acts, 2, 4, 1, 2)] == [40, 20]
+    assert split_stages(acts, FREE, 2, bound) == ((0, 1), (1, 4))  # 20 and 30 bytes
+    # GPipe holds all 4: the best split holds 80 bytes on each stage, over any budget below
+    gpipe = MemoryBound(35, Schedule.GPIPE, 4)
+    assert split_stages(acts, FREE, 2, gpipe) is None
+    assert smallest_split(acts, 2, gpipe) == ((0, 2), (2, 4))
+    # interleaved: two stages a rank, each held to half the budget
+    assert MemoryBound(35, Schedule.INTERLEAVED_1F1B, 4).stage_cap_bytes == 17
+
+
+def test_no_split_fits_names_the_budget_the_smallest_and_the_fix():
+    acts = _units(params=(5, 5, 5, 5), acts=(10, 10, 10, 10))
+    options = Options(memory_budget_bytes=35, pipeline_schedule="gpipe", microbatches=4)
+    with pytest.raises(PipelineMemoryError) as caught:
+        _fitting_split(acts, FREE, 2, options)
+    e = caught.value
+    assert isinstance(e, MemoryBudgetError) and e.budget_bytes == 35
+    assert e.smallest_bytes == 10 + 4 * 20  # two blocks' parameters + 4 microbatches of two blocks
+    assert all(word in str(e) for word in ("35 bytes", "90 bytes", "more stages", "'1f1b' with more microbatches",
+                                           "larger mesh"))
+    again = pickle.loads(pickle.dumps(e))  # as it reaches the other ranks
+    assert type(again) is PipelineMemoryError and str(again) == str(e) and again.smallest_bytes == 90
+    assert _fitting_split(acts, FREE, 2, Options(memory_budget_bytes=90, pipeline_schedule="gpipe",
+                                                 microbatches=4)) == ((0, 2), (2, 4))
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    warnings.simplefilter("ignore")
+    model, kw = build("gpt2", n_layer=4).train(), inputs("gpt2", batch=4)[1]
+    free = autopar.plan(model, (), kw, mesh=(2, 1), pipeline_axis=0, microbatches=2)
+    return model, kw, free
+
+
+def _plan(gpt2, budget: int, axis=0):
+    model, kw, _ = gpt2
+    return autopar.plan(model, (), kw, mesh=(2, 1), pipeline_axis=axis, microbatches=2, memory_budget_bytes=budget)
+
+
+def test_planned_stages_stay_within_the_budget(gpt2):
+    free = gpt2[2]
+    assert [(s.first, s.stop) for s in free.pipeline.stages] == [(0, 2), (2, 4)]
+    bounded = _plan(gpt2, free.memory_bytes - 1)  # the balanced split no longer fits
+    assert bounded.memory_bytes <= free.memory_bytes - 1
+    assert [(s.first, s.stop) for s in bounded.pipeline.stages] != [(0, 2), (2, 4)]
+    assert bounded.total_s > free.total_s  # slower, but it fits
+
+
+def test_planned_pipeline_that_cannot_fit_reports_what_would(gpt2):
+    with pytest.raises(PipelineMemoryError, match=r"into 2 pipeline stages .* budget of 1000 bytes") as caught:
+        _plan(gpt2, 1000)
+    smallest = caught.value.smallest_bytes
+    assert _plan(gpt2, smallest).memory_bytes <= smallest  # the reported figure is reachable
+
+
+def test_auto_takes_a_fitting_pipeline_over_a_plain_plan_that_does_not(gpt2, monkeypatch):
+    def plain_does_not_fit(traced, mesh, options):
+        raise MemoryBudgetError(options.memory_budget_bytes, 10**9)
+    monkeypatch.setattr(pipeline, "plan_traced", plain_does_not_fit)
+    budget = gpt2[2].memory_bytes
+    chosen = _plan(gpt2, budget, axis="auto")
+    assert chosen.pipeline is not None and chosen.memory_bytes <= budget
+    with pytest.raises(PipelineMemoryError):  # the pipeline's error: its smallest is below the plain one's
+        _plan(gpt2, 1000, axis="auto")
