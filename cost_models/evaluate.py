@@ -5,6 +5,10 @@ cost model of your choice, priced exactly as the solver prices its own candidate
     evaluate(plan, device="h100")     the same layouts on other hardware
     evaluate(plan, cost_model=costs)  a CostModel built from a measured profile
 
+Training steps credit the gradient buckets' all-reduces that run under backward
+(cost_models/overlap.py): total_s is compute plus the communication not hidden, as
+the solver's objective counts it.
+
 Blocks the plan recomputes (Plan.recompute) are priced as the solver prices them
 (passes/recompute_ilp.py): their forward once more, and none of the bytes of their
 outputs read only inside the block (recompute_terms).
@@ -21,6 +25,7 @@ from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan, NodeChoice, RecomputedBlock
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
+from autopar.cost_models.overlap import plan_hidden_s
 
 
 @dataclass(frozen=True)
@@ -28,14 +33,21 @@ class Evaluation:
     compute_s: float  # per rank, one step
     comm_s: float  # per rank, one step (forward collectives, and in training their conjugates and syncs)
     memory_bytes: int  # per rank: parameters (+ gradients and optimiser state in training) and activations
+    hidden_s: float = 0.0  # of comm_s, what runs under compute (gradient buckets: cost_models/overlap.py)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication the step waits for."""
+        return self.comm_s - self.hidden_s
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.comm_s
+        """The predicted step time: compute and the communication it does not hide."""
+        return self.compute_s + self.exposed_comm_s
 
     def __str__(self) -> str:
-        return (f"{self.total_s * 1e3:.3f} ms/step (compute {self.compute_s * 1e3:.3f}, comm {self.comm_s * 1e3:.3f}), "
-                f"{self.memory_bytes / 2**20:.1f} MiB/rank")
+        return (f"{self.total_s * 1e3:.3f} ms/step (compute {self.compute_s * 1e3:.3f}, comm {self.comm_s * 1e3:.3f}, "
+                f"of which hidden {self.hidden_s * 1e3:.3f}), {self.memory_bytes / 2**20:.1f} MiB/rank")
 
 
 def op_target(op: str, node: str = "?") -> Any:
@@ -64,7 +76,26 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
                              n.saved)
     comm_s = sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
     again = recompute_terms(plan.nodes, plan.edges, plan.recompute, costs)
-    return Evaluation(compute_s + again.compute_s, comm_s + again.comm_s, memory + again.memory_bytes)
+    hidden = plan_hidden_s(plan.nodes, plan.edges, costs, least_backward_s(plan.nodes, costs)) if costs.training \
+        else 0.0
+    return Evaluation(compute_s + again.compute_s, comm_s + again.comm_s, memory + again.memory_bytes, hidden)
+
+
+def least_backward_s(nodes: Sequence[NodeChoice], costs: CostModel) -> list[float]:
+    """Per node, the least backward seconds among the strategies it could take (its
+    options; the chosen one where a plan lists none): the compute a gradient bucket
+    surely hides under (cost_models/overlap.py, 1.)."""
+    forward = replace(costs, training=False)
+    out = []
+    for n in nodes:
+        if not n.kind.computes:
+            out.append(0.0)
+            continue
+        target = op_target(n.op, n.name)
+        layouts = [(a.inputs, a.outputs) for a in n.options] or [(n.inputs, n.outputs)]
+        out.append(min(costs.op_cost(target, i, o).compute_s - forward.op_cost(target, i, o).compute_s
+                       for i, o in layouts))
+    return out
 
 
 def _analytic_for(plan: Plan, device: Optional[str], training: bool) -> CostModel:

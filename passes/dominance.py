@@ -26,6 +26,9 @@ groups one at a time to their surviving dominators never raises the cost (an edg
 between two copies of g changes on both ends and is bounded by both terms), so pruning
 every group at once is exact up to rounding. Rounds repeat on the survivors: fewer
 classes on the other end can make more choices dominated.
+
+R is the price the ILP uses: on a parameter's edge in training, R less what its
+gradient bucket hides under backward (passes/ilp_overlap.py), so pruning stays exact.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def _edge_tables(model: IlpModel, pricer: EdgePricer) -> list[EdgeTable]:
         src, dst = edge_classes(edge, model, pricer)
         u, v = model.owner(model.groups[edge.producer].leader), model.owner(model.groups[edge.consumer.name].leader)
         tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
-                                torch.tensor([[pricer.cost_between(o, r) for r in dst] for o in src],
+                                torch.tensor([[pricer.price_between(o, r, edge.share_s) for r in dst] for o in src],
                                              dtype=torch.float64))
     return [replace(t, copies=copies[key]) for key, t in tables.items()]
 
@@ -281,7 +284,7 @@ def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer,
 
 
 def _edge_s(edge, model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> float:
-    """R of `edge` under `picks`."""
+    """R of `edge` under `picks` (less what its bucket hides, as the ILP prices it)."""
     mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
     src = model.graph.node(edge.producer).strategies[mu.index_map[picks[mu.leader]]].outputs[edge.output]
-    return pricer.cost_s(src, edge.consumer.strategies[mv.index_map[picks[mv.leader]]], edge.position)
+    return pricer.price_s(src, edge.consumer.strategies[mv.index_map[picks[mv.leader]]], edge.position, edge.share_s)

@@ -28,7 +28,10 @@ c[g,i] is the compute of every member under leader choice i plus the reshard cos
 edges inside the group (infinite where a member has no strategy for i: s[g,i] is then
 no variable, i.e. fixed at 0); m[g,i] the members' bytes per rank
 (cost_models/memory.py); R is the reshard cost (forward steps, and in training their
-conjugates and gradient syncs) from class o to class r. An edge with one class on a
+conjugates and gradient syncs) from class o to class r; on a parameter's edge in
+training, less what its gradient bucket hides under backward, min(H, share[e])
+(passes/ilp_overlap.py), so the objective is the overlapped step evaluate() prices
+(inside a group too: c[g,i] carries the same price). An edge with one class on a
 side needs no x: its cost is a plain term on the other side's s. Unreachable pairs
 (e.g. S -> P) get no x, which forbids them. The memory-minimising objective prices
 the footprint a MemoryBudgetError reports (every block recomputed, where that helps).
@@ -80,11 +83,13 @@ class Edge:
     position: int
     producer: str
     output: int
+    share_s: float = 0.0  # a parameter edge's share of backward its bucket hides under (ilp_overlap.py)
 
-    def twin_key(self, rep: Mapping[str, str]) -> tuple[str, int, str, int]:
-        """Edges with the same key share their x variables (clustering)."""
+    def twin_key(self, rep: Mapping[str, str]) -> tuple[str, int, str, int, float]:
+        """Edges with the same key share their x variables (clustering); a twin whose
+        bucket hides a different share is priced apart."""
         v, u = self.consumer.name, self.producer
-        return rep.get(v, v), self.position, rep.get(u, u), self.output
+        return rep.get(v, v), self.position, rep.get(u, u), self.output, self.share_s
 
 
 @dataclass(frozen=True)
@@ -107,11 +112,15 @@ class IlpModel:
 
 def ilp_model(graph: AnnotatedGraph, groups: Mapping[str, Member], pricer: EdgePricer,
               node_cost_s: Mapping[str, list[float]], node_nbytes: Mapping[str, list[int]],
-              rep: Optional[Mapping[str, str]] = None) -> IlpModel:
+              rep: Optional[Mapping[str, str]] = None, shares: Optional[Mapping[tuple[str, int], float]] = None
+              ) -> IlpModel:
     """c[g,i] = sum over members n of compute[n, index_map_n(i)]
                + sum over edges (u,v) inside g of R(u's output under i -> v under i);
-    m[g,i] = sum over members n of bytes[n, index_map_n(i)]."""
+    m[g,i] = sum over members n of bytes[n, index_map_n(i)]. `shares`: (consumer,
+    position) -> the share of backward a parameter edge's bucket hides under
+    (passes/ilp_overlap.py); R is then R - min(H, share)."""
     rep = rep or {}
+    shares = shares or {}
     leaders = [n for n in graph.nodes if groups[n.name].leader == n.name]
     cost = {L.name: [0.0] * len(L.strategies) for L in leaders}
     nbytes = {L.name: [0] * len(L.strategies) for L in leaders}
@@ -123,7 +132,7 @@ def ilp_model(graph: AnnotatedGraph, groups: Mapping[str, Member], pricer: EdgeP
     between: list[Edge] = []
     for v in graph.nodes:
         for pos, (u, k) in enumerate(v.inputs):
-            edge = Edge(v, pos, u, k)
+            edge = Edge(v, pos, u, k, shares.get((v.name, pos), 0.0))
             if groups[u].leader != groups[v.name].leader:
                 between.append(edge)
             else:
@@ -140,7 +149,7 @@ def _add_inner_reshard(cost: list[float], edge: Edge, graph: AnnotatedGraph, gro
     for i, (ui, vi) in enumerate(zip(mu.index_map, mv.index_map)):
         if ui >= 0 and vi >= 0:
             src = producer.strategies[ui].outputs[edge.output]
-            cost[i] += pricer.cost_s(src, edge.consumer.strategies[vi], edge.position)
+            cost[i] += pricer.price_s(src, edge.consumer.strategies[vi], edge.position, edge.share_s)
 
 
 # ---- variables and linear terms ----------------------------------------------------
@@ -221,14 +230,15 @@ def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple
     prices F, for the edges into blocks only) in microseconds, twins sharing one, and
     how many x it created."""
     into_blocks = {model.edges[k].twin_key(model.rep) for b in model.blocks for k in b.edges}
-    built: dict[tuple[str, int, str, int], tuple[LinearTerms, LinearTerms]] = {}
+    built: dict[tuple[str, int, str, int, float], tuple[LinearTerms, LinearTerms]] = {}
     reshard, rerun = [], []
     created = 0
     for edge in model.edges:
         key = edge.twin_key(model.rep)
         if key not in built:
             src, dst = edge_classes(edge, model, pricer)
-            matrix: list[list] = [[pricer.cost_between(o, r) for r in dst] for o in src]
+            matrix: list[list] = [[pricer.price_between(o, r, edge.share_s) for r in dst]
+                                  for o in src]
             with_forward = forward is not None and key in into_blocks
             if with_forward:
                 matrix = [list(zip(row, fwd)) for row, fwd in zip(matrix, forward_prices(edge, model, src, dst, forward))]

@@ -40,12 +40,14 @@ from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.placement import Spec
 from autopar.cost_models.memory import node_bytes
-from autopar.cost_models.evaluate import recompute_terms
+from autopar.cost_models.evaluate import least_backward_s, recompute_terms
 from autopar.cost_models.model import CostModel
+from autopar.cost_models.overlap import plan_hidden_s
 from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
 from autopar.passes.dominance import prefer_smaller, prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
+from autopar.passes.ilp_overlap import parameter_shares
 from autopar.passes.recompute_ilp import block_terms
 from autopar.passes.saved import saved_outputs
 from autopar.passes.rules import Strategy
@@ -177,12 +179,14 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     groups, blocks = _groups_and_blocks(graph, pricer, options)
     budget = options.memory_budget_bytes
     compute = node_costs(graph, costs)
-    model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep)
+    forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
+    # gradient buckets hide under backward: each parameter edge's share of it (ilp_overlap.py)
+    shares = parameter_shares(graph, compute, forward_s) if costs.training else {}
+    model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep, shares)
     forward = None
     if budget is not None and costs.training:  # recompute can pay: the blocks and their terms
         forward = EdgePricer(replace(costs, training=False))
-        model = replace(model, blocks=block_terms(model, find_blocks(graph), forward,
-                                                  node_costs(graph, forward.costs), memory))
+        model = replace(model, blocks=block_terms(model, find_blocks(graph), forward, forward_s, memory))
     keep = _recompute_groups(model)
     with_recompute = {"forward": forward} if model.blocks else {}  # without recompute, the call it always was
     model = prune_dominated(model, pricer, with_memory=budget is not None, **with_recompute)
@@ -321,7 +325,8 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             comm_total += comm
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
     again = recompute_terms(nodes, edges, recompute, costs)
+    hidden = plan_hidden_s(nodes, edges, costs, least_backward_s(nodes, costs)) if costs.training else 0.0
     return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
                 tuple(nodes), tuple(edges), compute_total + again.compute_s, comm_total + again.comm_s, param_bytes,
                 act_bytes + again.memory_bytes, report, graph.unruled_ops, state_bytes,
-                discovered_ops=graph.discovered_ops, recompute=recompute)
+                discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden)

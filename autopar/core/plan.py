@@ -44,6 +44,8 @@ class Plan:
     # blocks recomputed in backward instead of keeping their activations (the ILP's choice under a budget)
     recompute: tuple[RecomputedBlock, ...] = ()
     links: tuple[AxisLink, ...] = ()  # per mesh axis: the link its collectives were priced with, and its kind
+    # of comm_s, the seconds that run under compute (gradient buckets under backward: cost_models/overlap.py)
+    hidden_s: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
@@ -51,7 +53,8 @@ class Plan:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.comm_s
+        """The predicted step: compute and the communication it does not hide."""
+        return self.compute_s + self.comm_s - self.hidden_s
 
     def node(self, name: str) -> NodeChoice:
         for n in self.nodes:
@@ -82,7 +85,8 @@ class Plan:
         lines = [
             f"Plan for {self.model_name} on mesh {self.mesh.shape} ({'training' if self.training else 'inference'}, "
             f"cost model {self.device})",
-            f"  predicted per rank: compute {self.compute_s * 1e3:.3f} ms, communication {self.comm_s * 1e3:.3f} ms, "
+            f"  predicted per rank: step {self.total_s * 1e3:.3f} ms: compute {self.compute_s * 1e3:.3f} ms, "
+            f"communication {self.comm_s * 1e3:.3f} ms ({self.hidden_s * 1e3:.3f} hidden under compute), "
             f"memory {self.memory_bytes / 2**20:.2f} MiB (params {self.param_bytes / 2**20:.2f} MiB)",
             f"  parameters sharded: {sharded}/{len(params)}; forward collectives: {len(cols)} "
             + (f"({', '.join(f'{k} x{v}' for k, v in sorted(kinds.items()))})" if kinds else ""),

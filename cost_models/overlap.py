@@ -1,0 +1,161 @@
+"""The overlapped step: how much of a training step's communication runs under its
+compute, priced the way the runtime executes it, by one formula that evaluate() and the
+solver's ILP both use (so the ILP's objective is the step evaluate() prices).
+
+What overlaps at run time, and what this model credits:
+
+    data-parallel gradient buckets     launched during backward the moment their last
+    (autopar/runtime/buckets.py)       gradient exists, waited once at its end: they hide
+                                       under the backward compute that follows the launch
+    every other collective             priced where it sits (blocking): forward collectives
+                                       of a dependent chain (Megatron's all-reduces, the
+                                       gathers feeding the next op) and their conjugates
+
+Stretches. Backward runs the program's nodes in reverse. Bucket k launches after the
+backward of its earliest-used parameter's first consumer, at program position p_k;
+sorted by launch (p_1 >= p_2 >= ...), the stretch of bucket k is the backward of the
+nodes at positions [p_{k+1}, p_k) (the last bucket's: [0, p_K)), the compute that runs
+between its launch and the next one's. Per stretch the step pays the larger of that
+compute and the bucket's all-reduce:
+
+    hidden_k = min(S_k, C_k)        S_k: the bucket's all-reduce seconds
+                                    C_k: its stretch's backward seconds
+
+so a bucket launched after the last backward op (an embedding's gradient comes last)
+hides nothing: compute and comm add up. Two simplifications keep this linear in the
+plan's choices, so that the ILP states it exactly with no extra rows (a max() per
+stretch made an 8B-parameter plan's solve 20-50x slower):
+
+1. C_k is the least backward compute the stretch's ops have under any of their
+   strategies (what hides under any plan), not the chosen plan's;
+2. the credit is taken per edge, each parameter edge getting a share of C_k in
+   proportion to its parameter's bytes (split evenly over the parameter's uses):
+   hidden_e = min(H_e, share_e), with H_e the edge's reduction a bucket carries (the
+   backward of its first grad sync, when every step is a grad sync: the rewrite defers
+   exactly those; further axes are reduced after the wait, exposed).
+Both under-credit (sum_e min(H_e, share_e) <= min(S_k, C_k)), never over-credit.
+Backlog carried from one stretch into the next is not credited either.
+
+Bucket membership is read off the graph, not the plan: parameters in reverse program
+order, BUCKET_BYTES of their global bytes per bucket (the runtime fills buckets with
+local bytes: with sharded parameters this counts fewer, larger buckets, less overlap).
+Not modelled: the in-flight cap (it bounds program collectives, not buckets) and
+program collectives overlapping independent compute (priced blocking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Hashable, Mapping, Sequence
+
+from autopar.core.kinds import NodeKind, StepKind
+from autopar.core.placement import TensorMeta
+from autopar.core.resharding import Step
+from autopar.cost_models.model import CostModel
+
+BUCKET_BYTES = 25 * 2**20  # autopar/runtime/buckets.py's bucket size (tests/test_overlap_cost.py checks they agree)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters whose gradients are all-reduced together, and where backward launches it."""
+
+    params: tuple[str, ...]
+    launch: int  # program position of the earliest first use among the params
+
+
+@dataclass(frozen=True)
+class ParamUse:
+    """One edge out of a parameter: which parameter, where its consumer sits, the edge's id."""
+
+    param: str
+    position: int
+    edge: Hashable
+
+
+def hideable_s(steps: Sequence[Step], costs: CostModel) -> float:
+    """H: seconds of a parameter edge's reduction that a bucket carries: the backward of
+    its first grad sync, when every step is a grad sync (the rewrite defers exactly those)."""
+    if not costs.training or not steps or any(s.kind is not StepKind.GRAD_SYNC for s in steps):
+        return 0.0
+    return costs.steps_cost(tuple(steps[:1])).comm_s
+
+
+def global_nbytes(meta: TensorMeta) -> int:
+    try:
+        return int(prod(meta.shape)) * meta.dtype.itemsize
+    except TypeError:  # a symbolic dim: no size to bucket by; a bucket of its own
+        return BUCKET_BYTES
+
+
+def grad_buckets(params: Sequence[tuple[str, int]], first_use: Mapping[str, int],
+                 bucket_bytes: int = BUCKET_BYTES) -> tuple[Bucket, ...]:
+    """`params` (name, global bytes) in program order -> buckets filled in reverse order
+    (the order backward produces gradients), a new one where the next would overflow,
+    sorted by launch (latest program position first). Unused parameters launch nothing."""
+    out: list[list[str]] = []
+    fill = 0
+    for name, nbytes in reversed(params):
+        if name not in first_use:
+            continue
+        if not out or fill + nbytes > bucket_bytes:
+            out.append([])
+            fill = 0
+        out[-1].append(name)
+        fill += nbytes
+    buckets = [Bucket(tuple(b), min(first_use[p] for p in b)) for b in out]
+    return tuple(sorted(buckets, key=lambda b: -b.launch))
+
+
+def stretches(buckets: Sequence[Bucket]) -> tuple[tuple[int, int], ...]:
+    """Per bucket (in launch order), the program positions [lo, hi) whose backward runs
+    after its launch and before the next one's."""
+    return tuple((buckets[k + 1].launch if k + 1 < len(buckets) else 0, b.launch) for k, b in enumerate(buckets))
+
+
+def edge_shares(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse],
+                least_backward_s: Sequence[float]) -> dict[Hashable, float]:
+    """share_e per parameter edge (module docstring, 2.): its bucket's stretch compute
+    C_k (from each position's least backward seconds) split over the bucket's parameters
+    by bytes, and a parameter's part evenly over its uses."""
+    first_use: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for u in uses:
+        first_use[u.param] = min(first_use.get(u.param, u.position), u.position)
+        count[u.param] = count.get(u.param, 0) + 1
+    nbytes = dict(params)
+    buckets = grad_buckets(params, first_use)
+    per_param: dict[str, float] = {}
+    for b, (lo, hi) in zip(buckets, stretches(buckets)):
+        compute_s = sum(least_backward_s[lo:hi])
+        total = sum(nbytes[p] for p in b.params)
+        for p in b.params:
+            per_param[p] = compute_s * (nbytes[p] / total if total else 1.0 / len(b.params))
+    return {u.edge: per_param[u.param] / count[u.param] for u in uses}
+
+
+def credit_s(hideable: float, share: float) -> float:
+    """hidden_e = min(H_e, share_e)."""
+    return min(hideable, share)
+
+
+def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_backward_s: Sequence[float]) -> float:
+    """Seconds of comm_s hidden under backward, for a plan's nodes (NodeChoice, in program
+    order) and edges (EdgePlan); `least_backward_s`: per node, the least backward seconds
+    of its strategies (evaluate.least_backward_s)."""
+    if not costs.training:
+        return 0.0
+    params = [(n.name, global_nbytes(n.outputs[0].meta)) for n in nodes if n.kind is NodeKind.PARAMETER]
+    position = {n.name: i for i, n in enumerate(nodes)}
+    uses = parameter_uses(params, position, [(e.producer, e.consumer, e.position) for e in edges])
+    shares = edge_shares(params, uses, least_backward_s)
+    return sum(credit_s(hideable_s(e.steps, costs), shares[(e.consumer, e.position)])
+               for e in edges if (e.consumer, e.position) in shares)
+
+
+def parameter_uses(params: Sequence[tuple[str, int]], position: Mapping[str, int],
+                   edges: Sequence[tuple[str, str, int]]) -> list[ParamUse]:
+    """Every (producer, consumer, position) edge out of a parameter, keyed (consumer, position)."""
+    names = {p for p, _ in params}
+    return [ParamUse(u, position[v], (v, pos)) for u, v, pos in edges if u in names]

@@ -1,0 +1,142 @@
+"""The overlapped step (cost_models/overlap.py): gradient buckets hide under the backward
+that follows their launch, and the solver, the plan and evaluate() price it alike."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost_models import comm
+from autopar.cost_models.devices import DeviceSpec, Link
+from autopar.cost_models.evaluate import evaluate
+from autopar.cost_models.model import CostModel
+from autopar.cost_models.overlap import (BUCKET_BYTES, Bucket, ParamUse, credit_s, edge_shares, grad_buckets,
+                                         stretches)
+from tests.models import MLP
+
+MIB = 2**20
+
+
+# ---- the stretch arithmetic ---------------------------------------------------------
+
+@pytest.mark.parametrize("hideable, share, hidden", [
+    (1.0, 3.0, 1.0),  # hides fully: the stretch costs max(compute, comm) = compute
+    (3.0, 1.0, 1.0),  # comm-bound: the stretch costs max(...) = comm, i.e. compute + 2 exposed
+    (2.0, 0.0, 0.0),  # launched after the last backward op: nothing to hide under, the sum
+])
+def test_a_bucket_costs_the_larger_of_its_stretch_and_itself(hideable, share, hidden):
+    assert credit_s(hideable, share) == hidden
+    assert share + hideable - credit_s(hideable, share) == max(share, hideable)
+
+
+def test_a_stretch_is_shared_by_bytes_and_a_parameters_part_by_its_uses():
+    # positions 0..5; w (3 MiB, used at 2 and 4) and b (1 MiB, used at 3) share a bucket
+    # launched after position 2's backward: its stretch is positions [0, 2)
+    params = [("w", 3 * MIB), ("b", 1 * MIB)]
+    uses = [ParamUse("w", 2, "e1"), ParamUse("w", 4, "e2"), ParamUse("b", 3, "e3")]
+    shares = edge_shares(params, uses, [1.0, 3.0, 100.0, 100.0, 100.0, 100.0])
+    assert shares == {"e1": 1.5, "e2": 1.5, "e3": 1.0}
+
+
+def test_buckets_fill_in_backward_order_and_launch_at_their_earliest_use():
+    # reverse program order; w1 does not fit beside w2; b0 shares w1's bucket and, used
+    # earlier, makes it launch later in backward (at position 1, not 3)
+    params = [("w0", 16 * MIB), ("b0", 4), ("w1", 16 * MIB), ("w2", 10 * MIB)]
+    use = {"w0": 1, "b0": 1, "w1": 3, "w2": 5}
+    buckets = grad_buckets(params, use)
+    assert buckets == (Bucket(("w2",), 5), Bucket(("w1", "b0"), 1), Bucket(("w0",), 1))
+    assert stretches(buckets) == ((1, 5), (1, 1), (0, 1))
+    assert grad_buckets(params, use, bucket_bytes=BUCKET_BYTES * 4) == (Bucket(("w2", "w1", "b0", "w0"), 1),)
+
+
+def test_the_bucket_size_is_the_runtimes():
+    from autopar.runtime.buckets import BUCKET_BYTES as RUNTIME
+    assert BUCKET_BYTES == RUNTIME
+
+
+# ---- plans --------------------------------------------------------------------------
+
+# a 16 MiB all-reduce (6.3 ms) outlasts a layer's backward at 16384 rows (2.7 ms), yet
+# data parallelism beats running every layer replicated (4x the compute)
+SLOW_LINK = DeviceSpec("slow-link", {torch.float32: 1e14}, mem_bw_bytes_per_s=1e12, op_overhead_s=0.0,
+                       intra_link=Link(1e-5, 2.5e-10), inter_link=Link(1e-5, 2.5e-10), achievable=1.0)
+
+
+class SummedMLP(MLP):
+    """A scalar out: no output gather to outweigh the gradient all-reduces."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).sum()
+
+
+def _dp_mlp_plan(batch: int, device: "str | DeviceSpec" = "cpu"):
+    # three 2048 x 2048 fp32 weights (16 MiB each, no bias): buckets [w2], [w1], [w0]
+    with torch.device("meta"):
+        model = SummedMLP((2048, 2048, 2048, 2048), bias=False).train()
+        x = torch.randn(batch, 2048)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(model, (x,), mesh=(4,), training=True, device=device)
+
+
+def test_data_parallel_buckets_hide_under_backward_except_the_first_layers():
+    # a big batch: data parallel, and each layer's backward outlasts a 16 MiB all-reduce.
+    # w2's and w1's buckets hide under the backward of the layers before them; w0's
+    # gradient is the last one backward makes, so its all-reduce is all exposed
+    plan = _dp_mlp_plan(8192)
+    assert all(str(n.outputs[0]) == "R" for n in plan.nodes if n.kind.is_state), plan.placements()
+    one = comm.all_reduce_s(16 * MIB, 4, plan.links[0].link)
+    assert plan.hidden_s == pytest.approx(2 * one, rel=1e-9)
+    assert plan.total_s == pytest.approx(plan.compute_s + plan.comm_s - 2 * one, rel=1e-12)
+
+
+def test_solver_plan_and_evaluate_price_the_overlapped_step_alike():
+    plan = _dp_mlp_plan(8192)
+    ev = evaluate(plan)
+    assert plan.hidden_s > 0
+    assert ev.hidden_s == pytest.approx(plan.hidden_s, rel=1e-12)
+    assert ev.total_s == pytest.approx(plan.total_s, rel=1e-12)
+    assert ev.exposed_comm_s == pytest.approx(plan.comm_s - plan.hidden_s, rel=1e-12)
+    assert plan.solver.objective_s == pytest.approx(plan.total_s, rel=1e-6)
+
+
+def test_a_comm_bound_step_hides_only_the_backward_after_the_first_launch():
+    # each all-reduce outlasts the backward it runs under, so what hides is the backward
+    # compute after w2's launch (the two earlier layers' backward), all of it; the batch
+    # is big enough that gathering it to skip data parallelism would cost more
+    plan = _dp_mlp_plan(65536, device=SLOW_LINK)
+    assert all(str(n.outputs[0]) == "R" for n in plan.nodes if n.kind.is_state), plan.placements()
+    ev = evaluate(plan, cost_model=CostModel.analytic(SLOW_LINK, (4,), training=True))
+    assert ev.total_s == pytest.approx(plan.total_s, rel=1e-12)
+    names = [n.name for n in plan.nodes]
+    after = plan.nodes[:names.index("linear_2")]
+    assert [n.op for n in after if n.compute_s > 0] == ["aten.linear.default", "aten.relu.default"] * 2
+    # a step's compute is forward + backward: linear's backward is 2x its forward, relu's 1x
+    backward = sum(n.compute_s * (2 / 3 if "linear" in n.op else 1 / 2) for n in after)
+    assert ev.hidden_s == pytest.approx(backward, rel=1e-9)
+    assert ev.total_s == pytest.approx(ev.compute_s + ev.comm_s - backward, rel=1e-12)
+
+
+def test_inference_hides_nothing():
+    with torch.device("meta"):
+        model = MLP((2048, 2048, 2048), bias=False).eval()
+        x = torch.randn(8192, 2048)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (x,), mesh=(4,), device="cpu")
+    assert plan.hidden_s == 0.0 and evaluate(plan).hidden_s == 0.0
+    assert plan.total_s == plan.compute_s + plan.comm_s
+
+
+def test_pruning_stays_exact_with_the_overlap_family(monkeypatch):
+    # dominance compares serial prices; a choice that hides more could lose to one that
+    # only looks cheaper serially, so pruning charges what a choice could hide less
+    import autopar.passes.solve as solve_module
+    pruned = _dp_mlp_plan(65536, device=SLOW_LINK)
+    monkeypatch.setattr(solve_module, "prune_dominated", lambda model, pricer, with_memory: model)
+    full = _dp_mlp_plan(65536, device=SLOW_LINK)
+    assert full.hidden_s > 0
+    assert pruned.solver.objective_s == pytest.approx(full.solver.objective_s, rel=1e-9)
