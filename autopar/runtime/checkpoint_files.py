@@ -33,6 +33,8 @@ class CheckpointManifest:
     files: tuple[tuple[str, int, int], ...]  # (path inside the directory, bytes, crc32)
     extra: dict = field(default_factory=dict)  # the caller's JSON values (e.g. a sampler's state)
     param_groups: Optional[tuple] = None  # the optimiser's parameter names per group; None: saved without one
+    # (pipelined: one such tuple per rank, each rank's optimiser holding its own stages' parameters)
+    pipeline: Optional[dict] = None  # a pipelined model's split (pipeline_state.pipeline_layout); None: not pipelined
     torch_version: str = torch.__version__
     format: int = FORMAT
 

@@ -27,6 +27,8 @@
    under the interleaved schedule. A relaying stage returns a copy of the relay input
    after its own outputs (StageModule.forward); its own program never sees it.
 7. What torch's schedules still cannot run is refused up front, naming the value (check_skips).
+8. State (autopar/runtime/pipeline_state.py): full_state_dict / load_full_state_dict under
+   the original model's names, and the per-rank view training checkpoints save and load.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from autopar.passes.pipeline_relay import Relayed, relay_skips
 from autopar.passes.planning import trace_for_planning
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline_state import (PipelineCheckpoint, gather_pipeline_state, load_pipeline_state, name_table,
+                                            original_name, read_names)
 from autopar.runtime.planner import agreed
 from autopar.runtime.state import gather_full
 
@@ -151,6 +155,7 @@ class PipelinedModule:
         self.plain: Optional[ParallelModule] = None
         self.tied: tuple = ()  # tied parameters whose copies in several stages get one gradient
         self.pipe_group: Any = None
+        self.stage_indices: list[int] = []  # the stage number of each of self.stages
         if self.plan.pipeline is None:
             self.plain = ParallelModule(model, mesh, replace(options, pipeline_axis=None), self.plan)
             self.plain.prepare(args, kwargs)
@@ -166,6 +171,7 @@ class PipelinedModule:
         self.tied = tied_parameters(model)
         pipe = split_model(model, mb_args, mb_kwargs, p.split_points)
         own_modules = [pipe.get_stage_module(k) for k in range(len(p.stages))]  # before relaying (step 6)
+        self._remember_state(model, own_modules)
         interleaved, training = p.schedule is Schedule.INTERLEAVED_1F1B, self.plan.training
         relays = relay_skips(pipe.split_gm, lambda val: interleaved or (training and val.is_floating_point()))
         examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
@@ -182,6 +188,7 @@ class PipelinedModule:
             module = StageModule(pm, sub_groups.group, pipe.get_stage_module(stage.index), relays.get(stage.index))
             module.prepare(ins, kw)
             self.stages.append(module)
+            self.stage_indices.append(stage.index)
             # torch's stage for a pipeline() split: it routes every value to the stage that
             # reads it, as the graph says (after relaying: the next stage)
             torch_stages.append(pp.build_stage(module, stage.index, pipe.info(), device, pipe_group))
@@ -189,6 +196,45 @@ class PipelinedModule:
         if p.schedule is Schedule.INTERLEAVED_1F1B:
             return schedule(torch_stages, n_microbatches=p.microbatches, loss_fn=self.loss_fn)
         return schedule(torch_stages[0], n_microbatches=p.microbatches, loss_fn=self.loss_fn)
+
+    def _remember_state(self, model: nn.Module, modules: list[nn.Module]) -> None:
+        """The original model's state names (in order, with shapes and dtypes) and a copy of
+        any state no stage holds, for full_state_dict and checkpoints (pipeline_state.py)."""
+        self.originals = name_table(model)
+        state = model.state_dict()
+        self.state_order = tuple(state)
+        self.state_meta = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in state.items())
+        self.read = {k: read_names(m) for k, m in enumerate(modules)}
+        held = {original_name(n, self.originals) for m in modules for n in m.state_dict()}
+        self.unread = {n: t.detach().clone() for n, t in state.items() if n not in held}
+
+    def _own_stages(self) -> list[tuple[int, ParallelModule]]:
+        return [(k, s.pm) for k, s in zip(self.stage_indices, self.stages)]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers on every rank, under the original
+        model's state-dict names (a tied parameter under each of its names, one value):
+        loadable with model.load_state_dict. Every rank calls it."""
+        if self.plain is not None:
+            return self.plain.full_state_dict()
+        return gather_pipeline_state(self._own_stages(), self.state_order, self.originals, self.unread,
+                                     self.pipe_group, self.read)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Each of this rank's stages takes its block of each full tensor (keys: the original
+        model's state-dict names)."""
+        if self.plain is not None:
+            return self.plain.load_full_state_dict(state_dict)
+        load_pipeline_state(self._own_stages(), state_dict, self.originals, self.unread)
+
+    def checkpoint_view(self) -> "PipelineCheckpoint | ParallelModule":
+        """What save_training_checkpoint / load_training_checkpoint read and write on this
+        rank: its stages (PipelineCheckpoint), or the plain module when nothing pipelines."""
+        if self.plain is not None:
+            return self.plain
+        p = self.plan.pipeline
+        return PipelineCheckpoint(self._own_stages(), self.mesh, self.mesh.coords(dist.get_rank())[p.axis], p,
+                                  self.state_meta)
 
     def _holds_last(self) -> bool:
         """Whether this rank runs the last stage (where step returns the loss)."""

@@ -62,6 +62,7 @@ from autopar.core.errors import CheckpointError
 from autopar.core.files import write_json_atomic
 from autopar.runtime.checkpoint_files import (MANIFEST, CheckpointManifest, checkpoint_dir, complete_checkpoints,
                                               file_facts, fsync_dir, latest_checkpoint, list_files, verify_files)
+from autopar.runtime.pipeline_state import PipelineCheckpoint
 from autopar.runtime.state import ShardedModel
 from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
 
@@ -80,12 +81,14 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
     root/step-N, atomically (see the module docstring); every rank calls it. Keeps the
     newest `keep` checkpoints (None: all). Returns the checkpoint's path."""
     _check_save_arguments(step, keep, extra)
+    pm = _view(pm)
     _require_plan(pm, "saving")
     rank, world = dist.get_rank(), dist.get_world_size()
     root, final = os.fspath(root), checkpoint_dir(root, step)
     temp = f"{final}{_TEMP}{_broadcast(uuid.uuid4().hex[:8] if rank == 0 else None)}"  # 1.
     try:  # 2.
-        dcp.save(training_entries(pm, optimizer, rank), checkpoint_id=temp)
+        dcp.save(pm.entries(optimizer, rank) if _piped(pm) else training_entries(pm, optimizer, rank),
+                 checkpoint_id=temp)
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP raised on every rank: none renames
         if rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
@@ -99,7 +102,7 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
         if problem:
             raise CheckpointError(problem, temp)
         files = sorted(f for part in facts for f in part)
-        groups = param_group_names(pm, optimizer) if optimizer is not None else None
+        groups = _group_names(pm, optimizer) if optimizer is not None else None
         stale = _on_rank0(f"completing checkpoint {final}", temp,  # 4.
                           lambda: _complete(temp, final, _manifest(pm, step, world, files, extra or {}, groups)))
     except CheckpointError:
@@ -152,11 +155,13 @@ def _on_rank0(doing: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
 def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict,
               groups: Optional[list]) -> CheckpointManifest:
     current = getattr(pm, "current", None)
+    specs = pm.shards.state_specs if _piped(pm) else pm.state_specs
     return CheckpointManifest(
-        step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=model_digest(pm),
-        layout_digest=_digest((n, str(s)) for n, s in sorted(pm.state_specs.items())),
+        step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=_model_digest(pm),
+        layout_digest=_digest((n, str(s)) for n, s in sorted(specs.items())),
         plan_digest=current.plan.digest() if current is not None else "", files=tuple(files), extra=dict(extra),
-        param_groups=None if groups is None else tuple(tuple(g) for g in groups))
+        param_groups=None if groups is None else tuple(tuple(g) for g in groups),
+        pipeline=pm.layout if _piped(pm) else None)
 
 
 def _complete(temp: str, final: str, manifest: CheckpointManifest) -> list[str]:
@@ -205,6 +210,7 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
     CheckpointError on every rank, before anything is changed: dcp.load fills fresh
     tensors, copied into the model only once everything was read."""
     path = os.fspath(path)
+    pm = _view(pm)
     _require_plan(pm, "loading")
     rank, world = dist.get_rank(), dist.get_world_size()
     manifest, problem, reader, targets = None, None, None, None
@@ -213,7 +219,9 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
         problem = verify_files(path, manifest.files[rank::world])
         if problem is None:
             reader = dcp.FileSystemReader(path)
-            targets = load_targets(pm, optimizer, reader.read_metadata(), rank, path)
+            metadata = reader.read_metadata()
+            targets = (pm.targets(optimizer, metadata, rank, path) if _piped(pm)
+                       else load_targets(pm, optimizer, metadata, rank, path))
     except CheckpointError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable .metadata on one rank must reach every rank
@@ -231,7 +239,10 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException), named
         raise CheckpointError(f"reading checkpoint {path} failed ({_reason(e)}); it is damaged or was "
                               "not written by save_training_checkpoint: resume from an earlier one", path) from e
-    restore(pm, optimizer, targets, rank, path)
+    if _piped(pm):
+        pm.restore(optimizer, targets, rank, path)
+    else:
+        restore(pm, optimizer, targets, rank, path)
     pm.loaded = True
     _warn_if_replanned(pm, manifest, path)
     return manifest
@@ -298,19 +309,26 @@ def _checked_manifest(pm: ShardedModel, optimizer: Any, path: str, world: int) -
                               f"{tuple(manifest.mesh)}; this run has {world} ranks on mesh {tuple(pm.mesh.shape)}. "
                               "Resume with the same world size and mesh (each rank restores its own RNG "
                               "states)", path)
-    if manifest.model_digest != model_digest(pm):
+    if _piped(pm):  # the keys are per stage: another split cannot be read
+        pm.check_layout(manifest.pipeline, path)
+    elif manifest.pipeline is not None:
+        raise CheckpointError(f"checkpoint {path} was saved by a pipelined model (stages {manifest.pipeline}); "
+                              "resume it with the same pipeline_axis, pipeline_schedule and plan", path)
+    if manifest.model_digest != _model_digest(pm):
         raise CheckpointError(f"checkpoint {path} was saved from another model (state names, shapes or dtypes "
                               "differ); resume the model it was saved from", path)
     if optimizer is not None:
-        _check_param_groups(manifest, param_group_names(pm, optimizer), path)
+        current = pm.group_names(optimizer) if _piped(pm) else param_group_names(pm, optimizer)
+        _check_param_groups(manifest, current, path, dist.get_rank() if _piped(pm) else None)
     return manifest
 
 
-def _check_param_groups(manifest: CheckpointManifest, current: list, path: str) -> None:
+def _check_param_groups(manifest: CheckpointManifest, current: list, path: str, rank: Optional[int] = None) -> None:
+    """rank: a pipelined checkpoint records each rank's groups (its own stages' parameters)."""
     if manifest.param_groups is None:
         raise CheckpointError(f"checkpoint {path} holds no optimiser state; resume with optimizer=None to load the "
                               "model alone, or resume from a checkpoint saved with the optimiser", path)
-    saved = [list(g) for g in manifest.param_groups]
+    saved = [list(g) for g in (manifest.param_groups if rank is None else manifest.param_groups[rank])]
     if saved != current:
         raise CheckpointError(f"checkpoint {path} was saved by an optimiser over other parameter groups "
                               f"({[len(g) for g in saved]} parameters per group; this one has "
@@ -319,7 +337,29 @@ def _check_param_groups(manifest: CheckpointManifest, current: list, path: str) 
 
 
 # ---- small parts --------------------------------------------------------------------------
+def _view(pm: Any) -> Any:
+    """What a model checkpoints through: a PipelinedModule's checkpoint_view (its stages on
+    this rank, autopar/runtime/pipeline_state.py, or its plain module), else the module."""
+    return pm.checkpoint_view() if hasattr(pm, "checkpoint_view") else pm
+
+
+def _piped(pm: Any) -> bool:
+    return isinstance(pm, PipelineCheckpoint)
+
+
+def _group_names(pm: Any, optimizer: Any) -> list:
+    """The optimiser's parameter names per group; every rank's when pipelined (each holds
+    other stages' parameters)."""
+    return _gather(pm.group_names(optimizer)) if _piped(pm) else param_group_names(pm, optimizer)
+
+
+def _model_digest(pm: Any) -> str:
+    return pm.model_digest if _piped(pm) else model_digest(pm)
+
+
 def _require_plan(pm: ShardedModel, doing: str) -> None:
+    if _piped(pm):
+        return  # a pipelined model's stages are planned when it is built
     if not pm.state_specs:
         raise CheckpointError(f"{doing} a training checkpoint needs the model's shard layouts, which the first "
                               "plan fixes: compile with example inputs (autopar.compile(model, args, kwargs, "
