@@ -6,7 +6,15 @@ Each config is compiled with the chosen cost model (default: profile, i.e. op ti
 measured on this machine and links calibrated on this process group, cached in a temp
 file), run for warm-up + --steps steps, and the median per-step time (slowest rank) is
 compared with the plan's prediction, for forward (inference plan) and forward+backward
-(training plan). Last line: 'predicted/measured: <median ratio>'."""
+(training plan). The prediction is the overlapped step (cost_models/overlap.py):
+compute + comm - hidden, hidden being what gradient buckets hide under backward.
+Last line: 'predicted/measured: <median ratio>'.
+
+The configs: GPT-2 blocks from 64 to 512 wide (the sizes a 2-core host runs in
+seconds), each as inference and as training, so the median covers forward-only steps
+(Megatron-style all-reduces on the critical path), training steps whose parameters fit
+one 25 MiB gradient bucket (launched after the last gradient: nothing hidden), and one
+whose 67 MB of parameters fill three buckets (the first two hide under backward)."""
 
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ CONFIGS = [  # (layers, hidden, heads, vocab, batch, seq)
     (2, 64, 4, 512, 8, 64),
     (4, 128, 4, 2048, 8, 64),
     (4, 256, 8, 4096, 8, 128),
+    (4, 512, 8, 8192, 8, 64),  # 67 MB of fp32 parameters: three gradient buckets
 ]
 
 
@@ -61,13 +70,13 @@ def run(rank: int, world: int, args, profile_path: str) -> None:
 
             measured = median_step_s(step, args.steps)
             plan = pm.plan
-            rows.append((f"{layers}L/{hidden}h b{batch}x{seq}", mode, plan.compute_s, plan.comm_s, plan.total_s,
-                         measured))
+            rows.append((f"{layers}L/{hidden}h b{batch}x{seq}", mode, plan.compute_s, plan.comm_s, plan.hidden_s,
+                         plan.total_s, measured))
     if rank == 0:
-        print(f"{'model':<18} {'step':<17} {'pred compute':>12} {'pred comm':>10} {'predicted':>10} "
+        print(f"{'model':<18} {'step':<17} {'pred compute':>12} {'pred comm':>10} {'hidden':>9} {'predicted':>10} "
               f"{'measured':>10} {'pred/meas':>9}")
-        for name, mode, c, m, p, meas in rows:
-            print(f"{name:<18} {mode:<17} {c * 1e3:>10.2f}ms {m * 1e3:>8.2f}ms {p * 1e3:>8.2f}ms "
+        for name, mode, c, m, h, p, meas in rows:
+            print(f"{name:<18} {mode:<17} {c * 1e3:>10.2f}ms {m * 1e3:>8.2f}ms {h * 1e3:>7.2f}ms {p * 1e3:>8.2f}ms "
                   f"{meas * 1e3:>8.2f}ms {p / meas:>9.2f}")
         ratios = [p / meas for *_, p, meas in rows]
         print(f"cost model: {args.cost_model}; {world} gloo ranks on {os.cpu_count()} cores")
