@@ -207,6 +207,7 @@ class PipelinedModule:
         self.read = {k: read_names(m) for k, m in enumerate(modules)}
         held = {original_name(n, self.originals) for m in modules for n in m.state_dict()}
         self.unread = {n: t.detach().clone() for n, t in state.items() if n not in held}
+        self.transient = {n: t.detach().clone() for n, t in model.named_buffers() if n not in state}
 
     def _own_stages(self) -> list[tuple[int, ParallelModule]]:
         return [(k, s.pm) for k, s in zip(self.stage_indices, self.stages)]
@@ -225,7 +226,7 @@ class PipelinedModule:
         model's state-dict names)."""
         if self.plain is not None:
             return self.plain.load_full_state_dict(state_dict)
-        load_pipeline_state(self._own_stages(), state_dict, self.originals, self.unread)
+        load_pipeline_state(self._own_stages(), state_dict, self.originals, self.unread, self.transient)
 
     def checkpoint_view(self) -> "PipelineCheckpoint | ParallelModule":
         """What save_training_checkpoint / load_training_checkpoint read and write on this

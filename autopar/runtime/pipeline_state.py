@@ -53,8 +53,10 @@ def original_name(stage_name: str, originals: dict[str, str]) -> str:
 
 
 def name_table(model: nn.Module) -> dict[str, str]:
-    """Original names, and the '.'->'_' names older torch gave split submodules' state."""
-    names = list(model.state_dict())
+    """Original names, and the '.'->'_' names older torch gave split submodules' state.
+    Non-persistent buffers (Llama's rotary inv_freq) are included: the split moves them
+    into its stages as persistent ones."""
+    names = list(model.state_dict()) + [n for n, _ in model.named_buffers() if n not in model.state_dict()]
     return {**{n.replace(".", "_"): n for n in names}, **{n: n for n in names}}
 
 
@@ -87,8 +89,11 @@ def gather_pipeline_state(stages: list[tuple[int, Any]], order: tuple[str, ...],
 
 @torch.no_grad()
 def load_pipeline_state(stages: list[tuple[int, Any]], state_dict: dict[str, torch.Tensor],
-                        originals: dict[str, str], unread: dict[str, torch.Tensor]) -> None:
-    """Step 2: each stage takes its names' blocks (a KeyError names any the dict lacks)."""
+                        originals: dict[str, str], unread: dict[str, torch.Tensor],
+                        transient: dict[str, torch.Tensor]) -> None:
+    """Step 2: each stage takes its names' blocks (a KeyError names any the dict lacks).
+    `transient`: the model's non-persistent buffers, which no state dict holds."""
+    state_dict = {**transient, **state_dict}
     for _, pm in stages:
         names = pm.source_model.state_dict()
         missing = [original_name(n, originals) for n in names if original_name(n, originals) not in state_dict]
