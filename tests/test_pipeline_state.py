@@ -86,6 +86,30 @@ def resume_case(rank: int, world: int, root: str) -> dict:
     return {"uninterrupted": pipe.full_state_dict(), "resumed": fresh.full_state_dict(), "step": manifest.step}
 
 
+def test_stage_names_map_to_the_original_and_the_stale_tied_alias_is_not_read():
+    """torch's split keeps original names (older torch: '.'->'_'), moves Llama's
+    non-persistent inv_freq into its stages, and aliases GPT-2's lm_head.weight into
+    stage 0, whose graph never uses it."""
+    from autopar.passes.pipeline import microbatch_inputs
+    from autopar.runtime.pipeline import split_model
+    from autopar.runtime.pipeline_state import name_table, original_name, read_names
+    warnings.simplefilter("ignore")
+    model = build("gpt2", n_layer=2)
+    table = name_table(model)
+    assert original_name("transformer_h_0_ln_1_weight", table) == "transformer.h.0.ln_1.weight"
+    with pytest.raises(autopar.CheckpointError, match="matches no name of the original model"):
+        original_name("nowhere.weight", table)
+    args, kwargs = microbatch_inputs((), inputs("gpt2", batch=4)[1], 2)
+    pipe = split_model(model, args, kwargs, ("transformer.h.1",))
+    first, last = (pipe.get_stage_module(k) for k in range(2))
+    assert "lm_head.weight" in first.state_dict() and "lm_head.weight" not in read_names(first)
+    assert {"transformer.wte.weight", "lm_head.weight"} & read_names(first) == {"transformer.wte.weight"}
+    assert "lm_head.weight" in read_names(last)
+    llama = build("llama", num_hidden_layers=2)
+    assert "model.rotary_emb.inv_freq" not in llama.state_dict()
+    assert original_name("model.rotary_emb.inv_freq", name_table(llama)) == "model.rotary_emb.inv_freq"
+
+
 @pytest.mark.slow
 def test_pipelined_state_matches_one_device_and_resumes_exactly(tmp_path):
     """4 gloo ranks, one spawn (about 25 s): GPT-2 (tied wte/lm_head) in 2 stages on (2, 2):
