@@ -173,3 +173,5 @@ def test_data_parallel_gradients_are_bucketed_and_accumulate():
         assert "grad_sync" not in res["code"]
         for name, (got, want) in res["grads"].items():
             torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} accumulated grad {name}: {m}")
+            # replicas of a replicated parameter must stay bit-equal, or they drift apart over training
+            assert torch.equal(got, results[0][0]["grads"][name][0]), f"rank {rank}'s {name} gradient differs from rank 0's"

@@ -8,12 +8,15 @@ their gradients instead.
    of sync axes, in reverse order of the program's inputs: the order backward produces
    their gradients.
 2. During backward each parameter's gradient hook copies this backward's gradient (not
-   what .grad held before) into its bucket's flat buffer; the moment a bucket is full its
-   all-reduce starts over the first axis, while backward goes on.
+   what .grad held before) into its bucket's flat buffer and hands autograd zeros to
+   accumulate in its place; the moment a bucket is full its all-reduce starts over the
+   first axis, while backward goes on.
 3. One callback at the end of backward waits for every bucket, reduces over any further
    axes, and writes each gradient: .grad = reduced, or, where .grad held an earlier
-   backward's (already reduced) gradient, .grad += reduced - this backward's own part.
-   So gradient accumulation stays exact and nothing is copied before a forward.
+   backward's (already reduced) gradient, .grad += reduced. Every replica adds the same
+   two numbers, so replicas stay bit-equal under gradient accumulation (adding this
+   rank's own part and then `reduced - own` rounded differently on each rank), and
+   nothing is copied before a forward.
 Every rank runs the same program, so buckets fill, start and finish in the same order
 on every rank.
 """
@@ -76,11 +79,13 @@ class GradBuckets:
             b.flat, b.started = None, None
         self.queued = False
 
-    def gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Step 2: the parameter's gradient hook (before autograd accumulates `grad`)."""
+    def gradient(self, param: torch.Tensor, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Step 2: the parameter's gradient hook (before autograd accumulates `grad`); returns
+        what autograd accumulates instead (zeros: `finish` adds the reduced gradient), or
+        None for a parameter no bucket reduces."""
         bucket = self.bucket_of.get(id(param))
         if bucket is None:
-            return
+            return None
         if not self.queued:
             self.queued = True
             _compat.queue_backward_callback(self.finish)
@@ -91,6 +96,7 @@ class GradBuckets:
         bucket.arrived[id(param)] = param.grad is not None
         if len(bucket.arrived) == len(bucket.params):
             bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -117,7 +123,7 @@ class GradBuckets:
                 continue
             offset = bucket.offsets[id(p)]
             part = reduced[offset: offset + p.numel()].view_as(p).to(p.grad.dtype)
-            if bucket.arrived[id(p)]:  # .grad = earlier + own; the earlier part was reduced then
-                p.grad.add_(part - bucket.flat[offset: offset + p.numel()].view_as(p).to(p.grad.dtype))
+            if bucket.arrived[id(p)]:  # .grad = the earlier (reduced) gradient + 0, from the hook
+                p.grad.add_(part)
             else:
                 p.grad.copy_(part)

@@ -259,10 +259,11 @@ class _BucketsOf:
     def __init__(self, pm: ParallelModule) -> None:
         self.pm = weakref.ref(pm)
 
-    def __call__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def __call__(self, param: torch.Tensor, grad: torch.Tensor) -> Optional[torch.Tensor]:
         pm = self.pm()
         if pm is not None and pm._armed is not None:
-            pm._armed.gradient(param, grad)
+            return pm._armed.gradient(param, grad)
+        return None
 
 
 def _given_plan(plan: "Plan | str | os.PathLike | None") -> tuple[Optional[Plan], str]:

@@ -18,7 +18,7 @@ when the first plan fixes their layouts.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ def tied_groups(names: Iterable[str], tensor_of: Callable[[str], Any]) -> list[l
 
 
 def empty_shards(model: nn.Module, device: torch.device,
-                 on_grad: Callable[[torch.Tensor, torch.Tensor], None]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+                 on_grad: Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """A module tree mirroring the model's state-dict names, with empty parameters and
     buffers (tied names share one), and the same tensors by dotted name. Each parameter's
     gradient hook calls on_grad(parameter, this backward's gradient) before autograd
@@ -63,14 +63,15 @@ def empty_shards(model: nn.Module, device: torch.device,
 
 
 class _GradHook:
-    def __init__(self, param: torch.Tensor, on_grad: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    def __init__(self, param: torch.Tensor, on_grad: Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]) -> None:
         self.param = weakref.ref(param)
         self.on_grad = on_grad
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
         param = self.param()
         if param is not None:
-            self.on_grad(param, grad)
+            return self.on_grad(param, grad)  # what autograd accumulates instead of grad, or None
+        return None
 
 
 def fill_shards(model: nn.Module, shards: dict[str, torch.Tensor], traced: TracedGraph, plan: Plan,
