@@ -44,7 +44,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.errors import MemoryBudgetError
 from autopar.core.pipeline import (PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
-                                   check_request)
+                                   check_microbatches, check_request)
 from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import find_blocks
@@ -234,6 +234,7 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
                             f"{schedule.chunks_per_rank} chunks, schedule {schedule}) but {full.model_name} has only "
                             f"{len(units.block_s)} blocks in {units.container}; pipeline over an axis of at most "
                             f"{len(units.block_s)} ranks, use schedule '1f1b', or set pipeline_axis=None")
+    check_microbatches(schedule, microbatches, ranks)
     training = full.training if options.training is None else options.training
     link = CostModel.analytic(options.device, mesh.shape, training, options.nodes,
                               link_overrides(options.links)).link(axis)

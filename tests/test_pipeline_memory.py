@@ -1,5 +1,6 @@
 """The memory budget bounds the pipeline stage split: the DP in closed form on synthetic
-block bytes, the error when no split fits, and planned GPT-2 within the budget."""
+block bytes, the error when no split fits, and planned GPT-2 within the budget. Also the
+microbatch counts torch's schedules refuse, refused when planning."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import autopar
 from autopar.core.errors import MemoryBudgetError
 from autopar.core.options import Options
-from autopar.core.pipeline import PipelineMemoryError, Schedule
+from autopar.core.pipeline import PipelineError, PipelineMemoryError, Schedule, check_microbatches
 from autopar.passes import pipeline
 from autopar.passes.pipeline import _fitting_split
 from autopar.passes.pipeline_split import MemoryBound, Units, smallest_split, split_stages
@@ -101,3 +102,16 @@ def test_auto_takes_a_fitting_pipeline_over_a_plain_plan_that_does_not(gpt2, mon
     assert chosen.pipeline is not None and chosen.memory_bytes <= budget
     with pytest.raises(PipelineMemoryError):  # the pipeline's error: its smallest is below the plain one's
         _plan(gpt2, 1000, axis="auto")
+
+
+def test_microbatches_torch_schedules_refuse_are_refused_when_planning(gpt2):
+    check_microbatches(Schedule.GPIPE, 1, 4)
+    check_microbatches(Schedule.ONE_F_ONE_B, 4, 4)
+    with pytest.raises(PipelineError, match=r"microbatches=3 is fewer than the 4 stages of a 1F1B .*='gpipe'"):
+        check_microbatches(Schedule.ONE_F_ONE_B, 3, 4)
+    check_microbatches(Schedule.INTERLEAVED_1F1B, 4, 2)
+    with pytest.raises(PipelineError, match=r"microbatches=5 is not a whole number of rounds of 2"):
+        check_microbatches(Schedule.INTERLEAVED_1F1B, 5, 2)
+    model, kw, _ = gpt2
+    with pytest.raises(PipelineError, match=r"microbatches=1 is fewer than the 2 stages"):
+        autopar.plan(model, (), kw, mesh=(2, 1), pipeline_axis=0, microbatches=1, pipeline_schedule="1f1b")

@@ -128,6 +128,20 @@ def check_request(mesh_shape: tuple[int, ...], axis: Any, microbatches: Any) -> 
                             "pipeline stages)")
 
 
+def check_microbatches(schedule: Schedule, microbatches: int, ranks: int) -> None:
+    """A PipelineError, before anything is solved, for microbatches torch's schedule would
+    refuse when the pipeline is built: 1F1B needs at least one microbatch per stage, and
+    interleaved 1F1B splits them into rounds of one per rank (a whole number of rounds)."""
+    stages = ranks * schedule.chunks_per_rank
+    if schedule is Schedule.ONE_F_ONE_B and microbatches < stages:
+        raise PipelineError(f"microbatches={microbatches} is fewer than the {stages} stages of a 1F1B pipeline over "
+                            f"{ranks} ranks; use microbatches >= {stages} or pipeline_schedule='gpipe'")
+    rounds = max(1, microbatches // ranks)
+    if schedule is Schedule.INTERLEAVED_1F1B and microbatches % rounds:
+        raise PipelineError(f"microbatches={microbatches} is not a whole number of rounds of {ranks} (one per "
+                            f"pipeline rank) as interleaved 1F1B needs; use a multiple of {ranks}")
+
+
 def pipeline_to_json(p: PipelinePlan) -> dict:
     return {"axis": p.axis, "microbatches": p.microbatches, "schedule": p.schedule.value,
             "container": p.container, "blocks": p.blocks, "bubble_s": p.bubble_s, "step_s": p.step_s,
