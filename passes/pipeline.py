@@ -242,7 +242,8 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     stages = stage_values(units, sends, units.boundary_bytes, _fitting_split(units, sends, n_stages, options), ranks)
     step_s, bubble_s = step_time(stages, ranks, microbatches)
     pipeline = PipelinePlan(axis, microbatches, schedule, units.container, len(units.block_s), stages, bubble_s, step_s)
-    comm_share = sub.comm_s / sub.total_s if sub.total_s else 0.0
+    serial_s = sub.compute_s + sub.comm_s  # the stage prices (units_of) hide nothing: split the step so too
+    comm_share = sub.comm_s / serial_s if serial_s else 0.0
     param_bytes, state_bytes, activation_bytes = rank_bytes(units, stages, schedule, microbatches)
     budget = options.memory_budget_bytes
     if budget is not None and param_bytes + state_bytes + activation_bytes > budget:  # interleaved: v stages a rank
