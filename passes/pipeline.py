@@ -259,7 +259,9 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
 def _fitting_split(units: Units, sends: tuple[float, ...], n_stages: int, options: Options
                    ) -> tuple[tuple[int, int], ...]:
     """The fastest split within Options.memory_budget_bytes (step 4 under the budget);
-    PipelineMemoryError with the smallest heaviest rank when none fits."""
+    PipelineMemoryError with the smallest heaviest rank when none fits. Interleaved: when
+    no split keeps every stage under budget / v, the split with the lightest heaviest stage
+    is taken if its ranks fit (not the fastest such split, which the DP cannot see)."""
     schedule, budget = Schedule.of(options.pipeline_schedule), options.memory_budget_bytes
     bound = None if budget is None else MemoryBound(budget, schedule, options.microbatches)
     ranges = split_stages(units, sends, n_stages, bound)
@@ -267,9 +269,12 @@ def _fitting_split(units: Units, sends: tuple[float, ...], n_stages: int, option
         return ranges
     assert bound is not None  # without a bound every split is allowed
     ranks = n_stages // schedule.chunks_per_rank
-    smallest = stage_values(units, sends, units.boundary_bytes, smallest_split(units, n_stages, bound), ranks)
-    raise PipelineMemoryError(budget, sum(rank_bytes(units, smallest, schedule, options.microbatches)), n_stages,
-                              len(units.block_s), schedule.value)
+    lightest = smallest_split(units, n_stages, bound)
+    smallest = stage_values(units, sends, units.boundary_bytes, lightest, ranks)
+    heaviest = sum(rank_bytes(units, smallest, schedule, options.microbatches))
+    if heaviest <= budget:  # interleaved: a stage over budget / v, but its rank's sum fits
+        return lightest
+    raise PipelineMemoryError(budget, heaviest, n_stages, len(units.block_s), schedule.value)
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:

@@ -10,8 +10,8 @@ where fits(i, j, k) holds when stage k holding blocks i..j-1 stays under the bud
 microbatch's op outputs; in_flight: microbatches whose activations stage k holds at
 once, all M under GPipe, min(M, S - k) under 1F1B). One stage per rank (GPipe, 1F1B): cap
 is the budget and the bound is exact. Interleaved 1F1B puts v stages on each rank: cap is
-budget / v, enough (not needed) for the rank's sum to fit; passes/pipeline.py checks the
-rank's exact sum afterwards.
+budget / v, enough (not needed) for the rank's sum to fit; when no split meets it,
+passes/pipeline.py takes smallest_split's if its ranks' exact sums fit.
 
 When no split fits, the same DP with bytes in place of seconds gives the smallest
 heaviest stage any split reaches: the figure PipelineMemoryError reports.

@@ -5,6 +5,7 @@ microbatch counts torch's schedules refuse, refused when planning."""
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 import warnings
 
 import pytest
@@ -115,3 +116,14 @@ def test_microbatches_torch_schedules_refuse_are_refused_when_planning(gpt2):
     model, kw, _ = gpt2
     with pytest.raises(PipelineError, match=r"microbatches=1 is fewer than the 2 stages"):
         autopar.plan(model, (), kw, mesh=(2, 1), pipeline_axis=0, microbatches=1, pipeline_schedule="1f1b")
+
+
+def test_interleaved_takes_a_split_whose_ranks_fit_though_a_stage_exceeds_half_the_budget():
+    # 4 stages on 2 ranks (rank 0 holds stages 0 and 2): the only split puts 60 + 10 bytes on
+    # rank 0 and 10 + 10 on rank 1, within 80, though stage 0 alone is over the 40 of budget / 2
+    heavy_first = _units(params=(60, 10, 10, 10))
+    options = Options(memory_budget_bytes=80, pipeline_schedule="interleaved_1f1b", microbatches=4)
+    assert _fitting_split(heavy_first, FREE, 4, options) == ((0, 1), (1, 2), (2, 3), (3, 4))
+    with pytest.raises(PipelineMemoryError) as caught:  # below the heaviest rank: refused, with that figure
+        _fitting_split(heavy_first, FREE, 4, replace(options, memory_budget_bytes=69))
+    assert caught.value.smallest_bytes == 70
