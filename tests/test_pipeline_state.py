@@ -135,3 +135,19 @@ def _check_resumed(again: dict, rank: int) -> None:
     assert again["step"] == SAVED_AT and "lm_head.weight" in again["resumed"]
     for name, value in again["resumed"].items():
         assert torch.equal(value, again["uninterrupted"][name]), f"rank {rank}: {name}"
+
+
+def test_load_full_state_dict_refuses_a_dict_missing_any_stages_name_before_loading_any():
+    """Every rank refuses alike: a rank holding stage 0 only must not load a dict that lacks
+    a name of stage 1, which the ranks holding stage 1 refuse."""
+    from types import SimpleNamespace
+    from autopar.runtime.pipeline_state import load_pipeline_state, name_table
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    loaded = []
+    stage0 = SimpleNamespace(source_model=model[0], load_full_state_dict=loaded.append)
+    full = {k: v for k, v in model.state_dict().items() if k != "1.bias"}
+    originals = {k.removeprefix("0."): v for k, v in name_table(model).items()}  # stage 0's names: weight, bias
+    originals.update(name_table(model))
+    with pytest.raises(KeyError, match=r"lacks \['1.bias'\]"):
+        load_pipeline_state([(0, stage0)], full, originals, {}, {})
+    assert loaded == []

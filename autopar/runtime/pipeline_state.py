@@ -91,15 +91,17 @@ def gather_pipeline_state(stages: list[tuple[int, Any]], order: tuple[str, ...],
 def load_pipeline_state(stages: list[tuple[int, Any]], state_dict: dict[str, torch.Tensor],
                         originals: dict[str, str], unread: dict[str, torch.Tensor],
                         transient: dict[str, torch.Tensor]) -> None:
-    """Step 2: each stage takes its names' blocks (a KeyError names any the dict lacks).
+    """Step 2: each stage takes its names' blocks (a KeyError, on every rank before any
+    loads, names any of the original model's the dict lacks).
     `transient`: the model's non-persistent buffers, which no state dict holds."""
     state_dict = {**transient, **state_dict}
+    # every original name, not only this rank's stages': every rank refuses alike, before loading any
+    missing = [n for n in dict.fromkeys(originals.values()) if n not in state_dict]
+    if missing:
+        raise KeyError(f"state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}; it must hold every "
+                       "parameter and buffer of the original model (the keys of model.state_dict())")
     for _, pm in stages:
         names = pm.source_model.state_dict()
-        missing = [original_name(n, originals) for n in names if original_name(n, originals) not in state_dict]
-        if missing:
-            raise KeyError(f"state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}; it must hold every "
-                           "parameter and buffer of the original model (the keys of model.state_dict())")
         pm.load_full_state_dict({n: state_dict[original_name(n, originals)] for n in names})
     for name in unread:
         if name in state_dict:
