@@ -397,3 +397,22 @@ def test_llama_interleaved_relays_its_rotary_tables():
                                                  layers=4, microbatches=4, batch=8))])
     _check_pipeline(results, 0)
     assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_the_first_stage_takes_every_keyword_and_later_stages_none():
+    """torch's interleaved schedule hands the step's keywords to every stage of a rank: the
+    first stage must take them all (a keyword its plan never saw fails there, as the model
+    would, instead of being dropped unread); a later stage takes none."""
+    from autopar.runtime.pipeline import StageModule
+
+    class Seen:
+        def __call__(self, *args, **kwargs):
+            self.kwargs = kwargs
+            return args[0]
+
+    x = torch.ones(2)
+    for first, want in ((True, {"input_ids", "attention_mask"}), (False, set())):
+        pm = Seen()
+        stage = StageModule(pm, None, torch.fx.symbolic_trace(torch.nn.Identity()), first=first)
+        stage(x, input_ids=x, attention_mask=x)
+        assert set(pm.kwargs) == want

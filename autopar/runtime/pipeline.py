@@ -86,13 +86,13 @@ class StageModule(nn.Module):
     whole for the previous stage, and the values it relays (step 6) passed on after its outputs."""
 
     def __init__(self, pm: ParallelModule, group: Any, split: torch.fx.GraphModule,
-                 relay: Optional[Relayed] = None) -> None:
+                 relay: Optional[Relayed] = None, first: bool = False) -> None:
         super().__init__()
         self.pm, self.group, self.relay = pm, group, relay
+        self.first = first  # the first stage: the only one that takes the model's keyword inputs
         self.__dict__["split"] = split  # torch's stage module (not a submodule: its weights are not ours)
         self.replicas: tuple[int, ...] = ()
         self.differentiable: tuple[bool, ...] = ()  # which outputs carry a gradient in torch's own stage
-        self.keywords: tuple[str, ...] = ()  # the model's keyword inputs, which only the first stage takes
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -103,7 +103,6 @@ class StageModule(nn.Module):
         """Trace and plan for one microbatch now (every rank of the sub-mesh together)."""
         own = args[: self.relay.inputs] if self.relay else args
         self.pm.prepare(own, kwargs)
-        self.keywords = tuple(kwargs)
         specs = list(self.pm.input_specs.values())[: len(own)]
         shape = self.pm.mesh.shape
         self.replicas = tuple(prod(n for p, n in zip(s.placements, shape) if isinstance(p, Replicate))
@@ -120,8 +119,9 @@ class StageModule(nn.Module):
         own = tuple(_FullInputGrad.apply(x, self.group, r)
                     if isinstance(x, torch.Tensor) and x.requires_grad and self.pm.mesh.size > 1 else x
                     for x, r in zip(own, self.replicas + (1,) * len(own)))
-        # torch's interleaved schedule hands the step's keywords to every stage on this rank
-        out = self.pm(*own, **{k: v for k, v in kwargs.items() if k in self.keywords})
+        # torch's interleaved schedule hands the step's keywords to every stage on this rank;
+        # the first takes them all (one its plan never saw fails there, not dropped unread)
+        out = self.pm(*own, **(kwargs if self.first else {}))
         if self.relay:
             # a copy (not the received tensor itself, which torch detaches in place after
             # backward): its gradient, whole on every rank already, adds to the input's
@@ -185,7 +185,8 @@ class PipelinedModule:
             # stage 0 is called as the user calls the model (keywords stay keywords)
             ins, kw = (mb_args, mb_kwargs) if stage.index == 0 else examples[stage.index]
             pm = ParallelModule(own_modules[stage.index], stage_mesh(mesh, p.axis), stage_options, groups=sub_groups)
-            module = StageModule(pm, sub_groups.group, pipe.get_stage_module(stage.index), relays.get(stage.index))
+            module = StageModule(pm, sub_groups.group, pipe.get_stage_module(stage.index), relays.get(stage.index),
+                                 first=stage.index == 0)
             module.prepare(ins, kw)
             self.stages.append(module)
             self.stage_indices.append(stage.index)
