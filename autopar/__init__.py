@@ -43,6 +43,7 @@ _EXPORTS = {
     "PlanChangedWarning": "autopar.runtime.resume",
     "save_training_checkpoint": "autopar.api", "load_training_checkpoint": "autopar.api", "resume": "autopar.api",
     "latest_checkpoint": "autopar.api", "CheckpointManifest": "autopar.api", "CheckpointError": "autopar.core.errors",
+    "GradientError": "autopar.core.errors", "PipelineMemoryError": "autopar.core.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -396,9 +396,15 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
         (pm(x) ** 2).mean().backward()
         (ref(x) ** 2).mean().backward()
     deferred = pm.current.program.gm.meta["autopar.deferred_grad_syncs"]
-    grads = {k: (pm.shards.get_parameter(k).grad,
+    grads = {k: (pm.shards.get_parameter(k).grad.clone(),
                  local_chunk(p.grad, pm.state_specs[k], pm.mesh.shape, pm.coords)) for k, p in ref.named_parameters()}
-    return {"deferred": deferred, "code": pm.code, "grads": grads}
+    try:  # autograd.grad does not accumulate into .grad, where the reduced gradients go
+        torch.autograd.grad((pm(xs[0]) ** 2).mean(), list(pm.parameters()))
+        refused = ""
+    except autopar.GradientError as e:
+        refused = str(e)
+    after = (pm(xs[0]) ** 2).mean()  # every rank still in step: the next collective completes
+    return {"deferred": deferred, "code": pm.code, "grads": grads, "refused": refused, "after": after.detach()}
 
 
 def forced_plan(model, args: tuple, mesh: tuple, op: str, keep):

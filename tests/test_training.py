@@ -175,3 +175,5 @@ def test_data_parallel_gradients_are_bucketed_and_accumulate():
             torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} accumulated grad {name}: {m}")
             # replicas of a replicated parameter must stay bit-equal, or they drift apart over training
             assert torch.equal(got, results[0][0]["grads"][name][0]), f"rank {rank}'s {name} gradient differs from rank 0's"
+        assert "did not accumulate into .grad (torch.autograd.grad?)" in res["refused"], res["refused"]
+        torch.testing.assert_close(res["after"], results[0][0]["after"])

@@ -87,6 +87,11 @@ class ProcessGroupError(AutoparError, RuntimeError):
     """torch.distributed is not initialised or does not fit the mesh."""
 
 
+class GradientError(AutoparError, RuntimeError):
+    """Gradients asked for in a way autopar's reductions cannot serve (torch.autograd.grad
+    on parameters whose data-parallel gradients are reduced into .grad)."""
+
+
 class CheckpointError(AutoparError, RuntimeError):
     """A training checkpoint is incomplete, damaged, made for another world size, mesh or
     model, or could not be written; names the directory and what to do. Carries the path."""

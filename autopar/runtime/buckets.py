@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from autopar import _compat
+from autopar.core.errors import GradientError
 from autopar.runtime.collectives import AxisComm, Move, all_reduce, finish, launch
 from autopar.core.kinds import StepKind
 
@@ -43,7 +44,8 @@ class _Bucket:
     offsets: dict[int, int] = field(default_factory=dict)  # id(param) -> its place in `flat`
     numel: int = 0
     flat: Optional[torch.Tensor] = None  # this backward's gradients, side by side
-    arrived: dict[int, bool] = field(default_factory=dict)  # id(param) -> .grad held an earlier gradient
+    # id(param) -> the version of the .grad holding an earlier gradient (None: .grad was None)
+    arrived: dict[int, Optional[int]] = field(default_factory=dict)
     started: Optional[torch.Tensor] = None  # the all-reduce in flight
 
 
@@ -93,37 +95,58 @@ class GradBuckets:
             bucket.flat = grad.new_zeros(bucket.numel, dtype=self.reduce_dtype or grad.dtype)
         offset = bucket.offsets[id(param)]
         bucket.flat[offset: offset + grad.numel()].copy_(grad.reshape(-1))
-        bucket.arrived[id(param)] = param.grad is not None
+        bucket.arrived[id(param)] = None if param.grad is None else param.grad._version
         if len(bucket.arrived) == len(bucket.params):
             bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
         return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Step 3: every bucket reduced and written back, in the order they filled."""
+        """Step 3: every bucket reduced and written back, in the order they filled. Every
+        rank reduces every bucket, also when the gradients cannot be written (then it
+        raises after the last one, on every rank alike)."""
         for bucket in self.buckets:
             if bucket.flat is None:
                 continue
             if bucket.started is None:  # some parameter got no gradient this time
                 bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
+        refusal = next(filter(None, (_unaccumulated(p, b.arrived[id(p)]) for b in self.buckets if b.flat is not None
+                                     for p in b.params if id(p) in b.arrived)), None)
         for bucket in self.buckets:
             if bucket.flat is None:
                 continue
             reduced = finish(_SUM, bucket.started, self.comms[bucket.axes[0]])
             for axis in bucket.axes[1:]:
                 reduced = all_reduce(reduced, self.comms[axis])
-            self._write(bucket, reduced)
+            if refusal is None:
+                self._write(bucket, reduced)
             bucket.flat, bucket.started = None, None
         self.queued = False
+        if refusal is not None:
+            raise GradientError(refusal)
 
     @staticmethod
     def _write(bucket: _Bucket, reduced: torch.Tensor) -> None:
         for p in bucket.params:
             if id(p) not in bucket.arrived:
                 continue
+            earlier = bucket.arrived[id(p)]
             offset = bucket.offsets[id(p)]
             part = reduced[offset: offset + p.numel()].view_as(p).to(p.grad.dtype)
-            if bucket.arrived[id(p)]:  # .grad = the earlier (reduced) gradient + 0, from the hook
+            if earlier is not None:  # .grad = the earlier (reduced) gradient + 0, from the hook
                 p.grad.add_(part)
             else:
                 p.grad.copy_(part)
+
+
+def _unaccumulated(p: torch.Tensor, earlier: Optional[int]) -> Optional[str]:
+    """Why the reduced gradient cannot be written, or None: the zeros the hook handed
+    autograd must have reached .grad (a fresh one, or an in-place add that moved its
+    version). Not so under torch.autograd.grad, which returns gradients without
+    accumulating them: its answer for this parameter was those zeros."""
+    if (p.grad is None) if earlier is None else (p.grad._version == earlier):
+        return (f"a data-parallel parameter of shape {tuple(p.shape)} got a gradient that autograd did not "
+                "accumulate into .grad (torch.autograd.grad?), and what autograd returned for it is not its "
+                "gradient: autopar reduces data-parallel gradients into .grad during backward, so call "
+                "loss.backward() and read .grad")
+    return None
