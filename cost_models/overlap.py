@@ -33,8 +33,12 @@ stretch made an 8B-parameter plan's solve 20-50x slower):
    hidden_e = min(H_e, share_e), with H_e the edge's reduction a bucket carries (the
    backward of its first grad sync, when every step is a grad sync: the rewrite defers
    exactly those; further axes are reduced after the wait, exposed).
-Both under-credit (sum_e min(H_e, share_e) <= min(S_k, C_k)), never over-credit.
-Backlog carried from one stretch into the next is not credited either.
+Neither credits more than the prices allow: each edge's credit is at most its own
+price H_e, and the shares of a stretch sum to C_k, so sum_e min(H_e, share_e) is at most
+min(sum_e H_e, C_k). (sum_e H_e is the per-edge price of the bucket, which counts one
+latency per edge where the bucket's one all-reduce S_k pays one: against S_k itself the
+credit can be larger by those latencies.) Backlog carried from one stretch into the next
+is not credited.
 
 Bucket membership is read off the graph, not the plan: parameters in reverse program
 order, BUCKET_BYTES of their global bytes per bucket (the runtime fills buckets with
