@@ -273,41 +273,15 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def interleaved_case(rank: int, world: int, mesh: tuple) -> dict:
-    """An MLP of 4 layers in 4 stages over 2 pipeline ranks (interleaved 1F1B): nothing
-    skips a stage, which torch's interleaved schedule requires."""
-    import copy
-    from autopar.runtime.state import gather_full
-    from tests.models import MLP
-    warnings.simplefilter("ignore")
-    torch.manual_seed(0)
-    model = MLP((16, 32, 32, 32, 16)).train()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
-    ref = copy.deepcopy(model)
-    ref_loss = mse(ref(x), y)
-    ref_loss.backward()
-    pipe = autopar.compile(model, (x,), mesh=mesh, pipeline_axis=0, microbatches=4, training=True, loss_fn=mse,
-                           pipeline_schedule="interleaved_1f1b")
-    loss = pipe.step(x, target=y)
-    grads = {name: gather_full(s.pm.shards.get_parameter(name).grad, spec, s.pm)
-             for s in pipe.stages for name, spec in s.pm.state_specs.items()}
-    lead = all(c == 0 for c in mesh_coords(mesh, rank)[1:])
-    return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if lead else {},
-            "ref_grads": {k: p.grad for k, p in ref.named_parameters()},
-            "stages": [(s.first, s.stop, s.rank) for s in pipe.plan.pipeline.stages]}
-
-
-def skip_case(rank: int, world: int, mesh: tuple, schedule: str) -> dict:
-    """SkipNet in 4 stages: the table and the first state skip stages and are relayed
-    through the stages between (passes/pipeline_relay.py); the first state's gradient
-    comes back along the relay into stage 0's input layer."""
+def _against_one_device(model: torch.nn.Module, width: tuple[int, int], mesh: tuple, schedule: str,
+                        rank: int) -> tuple[dict, object]:
+    """One MSE step of `model` pipelined in stages over mesh axis 0 (4 microbatches) and
+    on one device: losses and gradients (gathered whole on each stage's lead rank)."""
     import copy
     from autopar.runtime.state import gather_full
     warnings.simplefilter("ignore")
-    model = SkipNet().train()
-    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
-    y = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(8, width[0], generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, width[1], generator=torch.Generator().manual_seed(2))
     ref = copy.deepcopy(model)
     ref_loss = mse(ref(x), y)
     ref_loss.backward()
@@ -319,8 +293,24 @@ def skip_case(rank: int, world: int, mesh: tuple, schedule: str) -> dict:
              if name in dict(s.pm.shards.named_parameters())}
     lead = all(c == 0 for c in mesh_coords(mesh, rank)[1:])
     return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if lead else {},
-            "ref_grads": {k: p.grad for k, p in ref.named_parameters()},
-            "relayed": sorted(k for k, s in enumerate(pipe.stages) if s.relay)}
+            "ref_grads": {k: p.grad for k, p in ref.named_parameters()}}, pipe
+
+
+def interleaved_case(rank: int, world: int, mesh: tuple) -> dict:
+    """An MLP of 4 layers in 4 stages over 2 pipeline ranks (interleaved 1F1B): nothing
+    skips a stage, which torch's interleaved schedule requires."""
+    from tests.models import MLP
+    torch.manual_seed(0)
+    out, pipe = _against_one_device(MLP((16, 32, 32, 32, 16)).train(), (16, 16), mesh, "interleaved_1f1b", rank)
+    return {**out, "stages": [(s.first, s.stop, s.rank) for s in pipe.plan.pipeline.stages]}
+
+
+def skip_case(rank: int, world: int, mesh: tuple, schedule: str) -> dict:
+    """SkipNet in 4 stages: the table and the first state skip stages and are relayed
+    through the stages between (passes/pipeline_relay.py); the first state's gradient
+    comes back along the relay into stage 0's input layer."""
+    out, pipe = _against_one_device(SkipNet().train(), (8, 8), mesh, schedule, rank)
+    return {**out, "relayed": sorted(k for k, s in enumerate(pipe.stages) if s.relay)}
 
 
 def test_values_that_skip_stages_are_relayed_with_their_gradients():
