@@ -8,9 +8,10 @@ their gradients instead.
    of sync axes, in reverse order of the program's inputs: the order backward produces
    their gradients.
 2. During backward each parameter's gradient hook copies this backward's gradient (not
-   what .grad held before) into its bucket's flat buffer and hands autograd zeros to
-   accumulate in its place; the moment a bucket is full its all-reduce starts over the
-   first axis, while backward goes on.
+   what .grad held before) into its bucket's flat buffer; where .grad holds an earlier
+   gradient, it hands autograd zeros to accumulate in its place (where .grad is None,
+   autograd stores this gradient there, and step 3 overwrites it). The moment a bucket
+   is full its all-reduce starts over the first axis, while backward goes on.
 3. One callback at the end of backward waits for every bucket, reduces over any further
    axes, and writes each gradient: .grad = reduced, or, where .grad held an earlier
    backward's (already reduced) gradient, .grad += reduced. Every replica adds the same
@@ -83,8 +84,8 @@ class GradBuckets:
 
     def gradient(self, param: torch.Tensor, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """Step 2: the parameter's gradient hook (before autograd accumulates `grad`); returns
-        what autograd accumulates instead (zeros: `finish` adds the reduced gradient), or
-        None for a parameter no bucket reduces."""
+        what autograd accumulates instead (zeros onto an earlier gradient: `finish` adds the
+        reduced one), or None to keep `grad`."""
         bucket = self.bucket_of.get(id(param))
         if bucket is None:
             return None
@@ -98,6 +99,8 @@ class GradBuckets:
         bucket.arrived[id(param)] = None if param.grad is None else param.grad._version
         if len(bucket.arrived) == len(bucket.params):
             bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
+        if param.grad is None:
+            return None
         return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
 
     @torch.no_grad()
@@ -140,10 +143,11 @@ class GradBuckets:
 
 
 def _unaccumulated(p: torch.Tensor, earlier: Optional[int]) -> Optional[str]:
-    """Why the reduced gradient cannot be written, or None: the zeros the hook handed
-    autograd must have reached .grad (a fresh one, or an in-place add that moved its
+    """Why the reduced gradient cannot be written, or None: autograd must have accumulated
+    into .grad (a fresh one, or an in-place add of the hook's zeros that moved its
     version). Not so under torch.autograd.grad, which returns gradients without
-    accumulating them: its answer for this parameter was those zeros."""
+    accumulating them: its answer for this parameter was this rank's own unreduced
+    gradient, or the hook's zeros."""
     if (p.grad is None) if earlier is None else (p.grad._version == earlier):
         return (f"a data-parallel parameter of shape {tuple(p.shape)} got a gradient that autograd did not "
                 "accumulate into .grad (torch.autograd.grad?), and what autograd returned for it is not its "
