@@ -22,13 +22,18 @@ from autopar.cost_models.overlap import edge_shares, global_nbytes, parameter_us
 from autopar.passes.strategies import AnnotatedGraph
 
 
-def parameter_shares(graph: AnnotatedGraph, compute_s: Mapping[str, Sequence[float]],
-                     forward_s: Mapping[str, Sequence[float]]) -> dict[tuple[str, int], float]:
+def least_backward(graph: AnnotatedGraph, compute_s: Mapping[str, Sequence[float]],
+                   forward_s: Mapping[str, Sequence[float]]) -> list[float]:
+    """Per node in graph order, the least backward seconds of its strategies; `compute_s`
+    and `forward_s` are solve.node_costs under the training and the forward-only cost
+    model (their difference is each strategy's backward)."""
+    return [min((c - f for c, f in zip(compute_s[n.name], forward_s[n.name])), default=0.0)
+            if n.call is not None else 0.0 for n in graph.nodes]
+
+
+def parameter_shares(graph: AnnotatedGraph, least: Sequence[float]) -> dict[tuple[str, int], float]:
     """(consumer, position) -> share[e] for every parameter edge of a training graph;
-    `compute_s` and `forward_s` are solve.node_costs under the training and the
-    forward-only cost model (their difference is each strategy's backward)."""
-    least = [min((c - f for c, f in zip(compute_s[n.name], forward_s[n.name])), default=0.0)
-             if n.call is not None else 0.0 for n in graph.nodes]
+    `least`: least_backward of its nodes."""
     params = [(n.name, global_nbytes(n.strategies[0].outputs[0].meta)) for n in graph.nodes
               if n.kind is NodeKind.PARAMETER and n.strategies]
     position = {n.name: i for i, n in enumerate(graph.nodes)}

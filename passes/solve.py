@@ -31,7 +31,7 @@ still adds its own cost terms, so the objective prices each block and each bound
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from autopar.core.errors import MemoryBudgetError, SolverError
 from autopar.core.kinds import NodeKind
@@ -40,14 +40,14 @@ from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.placement import Spec
 from autopar.cost_models.memory import node_bytes
-from autopar.cost_models.evaluate import least_backward_s, recompute_terms
+from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
 from autopar.cost_models.overlap import plan_hidden_s
 from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
 from autopar.passes.dominance import prefer_smaller, prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
-from autopar.passes.ilp_overlap import parameter_shares
+from autopar.passes.ilp_overlap import least_backward, parameter_shares
 from autopar.passes.recompute_ilp import block_terms
 from autopar.passes.saved import saved_outputs
 from autopar.passes.rules import Strategy
@@ -181,7 +181,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     compute = node_costs(graph, costs)
     forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
     # gradient buckets hide under backward: each parameter edge's share of it (ilp_overlap.py)
-    shares = parameter_shares(graph, compute, forward_s) if costs.training else {}
+    least = least_backward(graph, compute, forward_s) if costs.training else None
+    shares = parameter_shares(graph, least) if least is not None else {}
     model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep, shares)
     forward = None
     if budget is not None and costs.training:  # recompute can pay: the blocks and their terms
@@ -206,7 +207,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
                           ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks)
     return read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
-                     _recomputed(model, ilp, solution))
+                     _recomputed(model, ilp, solution), least)
 
 
 def _recompute_groups(model: IlpModel) -> frozenset[str]:
@@ -287,9 +288,12 @@ def _alternative(n: PlannedNode, alt: Strategy, compute_s: float, chosen: dict[s
 
 def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
               costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
-              compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = ()) -> Plan:
+              compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = (),
+              least: Optional[Sequence[float]] = None) -> Plan:
     """`compute`: node_costs(graph, costs), when the caller has it; `recompute`: the
-    blocks recomputed in backward (their forward again, their inner bytes not kept)."""
+    blocks recomputed in backward (their forward again, their inner bytes not kept);
+    `least`: in training, the ILP's least backward per node (ilp_overlap.least_backward),
+    which the plan's hidden seconds are counted from as the objective counted them."""
     compute = compute or node_costs(graph, costs)
     chosen: dict[str, Strategy] = {}
     for n in graph.nodes:
@@ -325,7 +329,7 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             comm_total += comm
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
     again = recompute_terms(nodes, edges, recompute, costs)
-    hidden = plan_hidden_s(nodes, edges, costs, least_backward_s(nodes, costs)) if costs.training else 0.0
+    hidden = plan_hidden_s(nodes, edges, costs, least) if least is not None else 0.0
     return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
                 tuple(nodes), tuple(edges), compute_total + again.compute_s, comm_total + again.comm_s, param_bytes,
                 act_bytes + again.memory_bytes, report, graph.unruled_ops, state_bytes,
