@@ -4,6 +4,7 @@ the manifest, and fsyncing a directory. Plain file work: no process groups."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import zlib
@@ -127,3 +128,8 @@ def fsync_dir(folder: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def digest(items: Any) -> str:
+    """A short hash of a sequence of plain values (what a manifest's digests compare)."""
+    return hashlib.sha256(repr(list(items)).encode()).hexdigest()[:16]

@@ -26,7 +26,6 @@ the first and the last). So:
 
 from __future__ import annotations
 
-import hashlib
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -36,6 +35,7 @@ from torch import nn
 
 from autopar.core.errors import CheckpointError
 from autopar.core.pipeline import PipelinePlan
+from autopar.runtime.checkpoint_files import digest
 from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
 
 MODEL_PREFIXES = ("model/", "optim/")  # what a rank saves per stage; "rng/rank<r>" is per rank already
@@ -70,21 +70,24 @@ def gather_pipeline_state(stages: list[tuple[int, Any]], order: tuple[str, ...],
     mine: dict[str, tuple[tuple[bool, int], torch.Tensor]] = {}
     for index, pm in stages:
         for name, value in pm.full_state_dict().items():
-            key = original_name(name, originals)
-            rank = (name not in read[index], index)  # a copy the stage never uses is stale
-            if key not in mine or rank < mine[key][0]:
-                mine[key] = (rank, value.cpu())
+            # a copy the stage never uses is stale
+            _prefer(mine, original_name(name, originals), (name not in read[index], index), value.cpu())
     parts: list = [None] * dist.get_world_size(pipe_group)
     dist.all_gather_object(parts, mine, group=pipe_group)
     merged: dict[str, tuple[tuple[bool, int], torch.Tensor]] = {}
     for part in parts:
         for key, (rank, value) in part.items():
-            if key not in merged or rank < merged[key][0]:
-                merged[key] = (rank, value)
+            _prefer(merged, key, rank, value)
     out = {}
     for name in order:
         out[name] = merged[name][1] if name in merged else unread[name].clone()
     return out
+
+
+def _prefer(chosen: dict, key: str, rank: tuple[bool, int], value: torch.Tensor) -> None:
+    """Keep the copy of `key` with the lowest rank (used before unused, then lower stage)."""
+    if key not in chosen or rank < chosen[key][0]:
+        chosen[key] = (rank, value)
 
 
 @torch.no_grad()
@@ -147,7 +150,7 @@ class PipelineCheckpoint:
         self.mesh, self.shards = mesh, RankStages(stages)  # the whole mesh (the manifest's); the stages' sub-mesh
         self.prefix = f"pipe{coordinate}/"
         self.layout = pipeline_layout(plan)
-        self.model_digest = hashlib.sha256(repr(list(state_meta)).encode()).hexdigest()[:16]
+        self.model_digest = digest(state_meta)
 
     def _own(self, key: str) -> bool:
         return key.startswith(MODEL_PREFIXES)

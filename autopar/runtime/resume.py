@@ -47,7 +47,6 @@ timeout it was initialised with, so a dead peer turns into an error, not a hang.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -61,7 +60,7 @@ import torch.distributed.checkpoint as dcp
 from autopar.core.errors import CheckpointError
 from autopar.core.files import write_json_atomic
 from autopar.runtime.checkpoint_files import (MANIFEST, CheckpointManifest, checkpoint_dir, complete_checkpoints,
-                                              file_facts, fsync_dir, latest_checkpoint, list_files, verify_files)
+                                              digest, file_facts, fsync_dir, latest_checkpoint, list_files, verify_files)
 from autopar.runtime.pipeline_state import PipelineCheckpoint
 from autopar.runtime.state import ShardedModel
 from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
@@ -158,7 +157,7 @@ def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict,
     specs = pm.shards.state_specs if _piped(pm) else pm.state_specs
     return CheckpointManifest(
         step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=_model_digest(pm),
-        layout_digest=_digest((n, str(s)) for n, s in sorted(specs.items())),
+        layout_digest=digest((n, str(s)) for n, s in sorted(specs.items())),
         plan_digest=current.plan.digest() if current is not None else "", files=tuple(files), extra=dict(extra),
         param_groups=None if groups is None else tuple(tuple(g) for g in groups),
         pipeline=pm.layout if _piped(pm) else None)
@@ -286,7 +285,7 @@ def _warn_if_replanned(pm: ShardedModel, manifest: CheckpointManifest, path: str
 
 def model_digest(pm: ShardedModel) -> str:
     """What must match for a checkpoint to fit: names, global shapes and dtypes."""
-    return _digest((n, tuple(s.meta.shape), str(s.meta.dtype)) for n, s in sorted(pm.state_specs.items()))
+    return digest((n, tuple(s.meta.shape), str(s.meta.dtype)) for n, s in sorted(pm.state_specs.items()))
 
 
 def _checked_manifest(pm: ShardedModel, optimizer: Any, path: str, world: int) -> CheckpointManifest:
@@ -375,8 +374,6 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _digest(items) -> str:
-    return hashlib.sha256(repr(list(items)).encode()).hexdigest()[:16]
 
 
 def _broadcast(value: Any) -> Any:
