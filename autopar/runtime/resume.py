@@ -60,7 +60,8 @@ import torch.distributed.checkpoint as dcp
 from autopar.core.errors import CheckpointError
 from autopar.core.files import write_json_atomic
 from autopar.runtime.checkpoint_files import (MANIFEST, CheckpointManifest, checkpoint_dir, complete_checkpoints,
-                                              digest, file_facts, fsync_dir, latest_checkpoint, list_files, verify_files)
+                                              digest, file_facts, fsync_dir, latest_checkpoint, list_files,
+                                              verify_files)
 from autopar.runtime.pipeline_state import PipelineCheckpoint
 from autopar.runtime.state import ShardedModel
 from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
