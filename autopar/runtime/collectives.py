@@ -326,8 +326,12 @@ class ProcessGroupRunner:
         if not isinstance(started, Started):
             return started
         comm = self.comms[step.axis]
+        # the box lets go of the launched tensor: the start's autograd node holds the box,
+        # so keeping it would tie a reference cycle through the graph (box -> tensor ->
+        # its grad_fn -> ctx -> box) that only Python's cycle collector frees, late
+        tensor, started.tensor = started.tensor, None
         with _naming(step, comm, where):
-            return _Wait.apply(started.tensor, step, comm, started, self.reduce_dtype)
+            return _Wait.apply(tensor, step, comm, started, self.reduce_dtype)
 
 
 class _naming:
