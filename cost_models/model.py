@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Callable, Optional
 
+from autopar.core.kinds import StepKind
 from autopar.core.placement import Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step
 from autopar.cost_models import comm, compute
@@ -44,6 +45,9 @@ class CostModel:
     measured_links: dict = field(default_factory=dict, compare=False, hash=False)
     # compute slow-down at run time relative to the timings: CPU ranks sharing cores
     compute_scale: float = 1.0
+    # seconds each collective call costs beyond its link's time: where ranks share cores
+    # they reach it at different times and all wait for the last (Profile.collective_sync_s)
+    collective_sync_s: float = 0.0
 
     @staticmethod
     def analytic(device: "str | DeviceSpec", mesh_shape: tuple[int, ...], training: bool = False, nodes: int = 1,
@@ -108,10 +112,17 @@ class CostModel:
         return self._step_s(step, local, differentiable)
 
     def _step_s(self, step: Step, local: int, differentiable: bool) -> float:
-        fwd = self._collective_s(step.kind, step, local)
+        fwd = self._collective_s(step.kind, step, local) + self._sync_s(step.kind)
         # integer and boolean values (ids, masks) carry no gradient: their backward never runs
-        bwd = self._collective_s(step.backward, step, local) if self.training and differentiable else 0.0
+        bwd = 0.0
+        if self.training and differentiable:
+            bwd = self._collective_s(step.backward, step, local)
+            if step.kind is not StepKind.GRAD_SYNC:  # a grad sync's reduction goes into a bucket: one wait per bucket
+                bwd += self._sync_s(step.backward)
         return fwd + bwd
+
+    def _sync_s(self, kind: StepKind) -> float:
+        return self.collective_sync_s if kind.communicates else 0.0
 
     def moves_cost(self, moves: tuple[Step, ...], meta: TensorMeta) -> Cost:
         """steps_cost of resharding.reshard_moves' steps for the tensor `meta` (the

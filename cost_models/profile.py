@@ -2,7 +2,7 @@
 calibration (alpha and beta per mesh axis and collective), kept in one JSON file.
 
     {"schema": "autopar.profile", "schema_version": 1, "device": "cpu", "torch_version": ..,
-     "created": "2026-11-30T04:10:00Z", "cpu_contention": 4.0,
+     "created": "2026-11-30T04:10:00Z", "cpu_contention": 4.0, "collective_sync_s": 0.006,
      "compute": {"<op>|<input shapes:dtypes>|<output shapes>": seconds, ...},
      "comm": {"<axis>:<collective>": {"alpha_s": .., "beta_s_per_byte": .., "residual": .., "ranks": n,
                                        "link": "intra" | "inter"}}}
@@ -53,6 +53,10 @@ class Profile:
     # ranks per core when run on a CPU host (timings are taken by one rank alone; at run
     # time that many ranks share each core); 1.0 on GPUs
     cpu_contention: float = 1.0
+    # seconds a collective costs beyond its link's time when ranks arrive from compute:
+    # ranks sharing cores reach it at different times and all wait for the last (measured
+    # with the contention; None: not measured, as in files written before it existed)
+    collective_sync_s: Optional[float] = None
     misses: set = field(default_factory=set)  # compute keys looked up and not found
 
     # ---- lookups the cost model makes --------------------------------------------
@@ -81,7 +85,8 @@ class Profile:
         return {"schema": SCHEMA, "schema_version": VERSION, "device": self.device,
                 "torch_version": self.torch_version,
                 "created": self.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "cpu_contention": self.cpu_contention, "compute": self.compute, "comm": self.comm}
+                "cpu_contention": self.cpu_contention, "collective_sync_s": self.collective_sync_s,
+                "compute": self.compute, "comm": self.comm}
 
     @staticmethod
     def from_dict(d: Any, source: str = "<dict>") -> "Profile":
@@ -89,8 +94,10 @@ class Profile:
             raise PlanFileError(f"{source} is not an autopar profile of schema version {VERSION}; "
                                 "delete it to measure again")
         try:
+            sync = d.get("collective_sync_s")
             return Profile(d["device"], d.get("torch_version", ""), d.get("created", ""), dict(d["compute"]),
-                           dict(d.get("comm", {})), float(d.get("cpu_contention", 1.0)))
+                           dict(d.get("comm", {})), float(d.get("cpu_contention", 1.0)),
+                           None if sync is None else float(sync))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanFileError(f"{source} is a damaged autopar profile ({type(e).__name__}: {e}); "
                                 "delete it to measure again") from e

@@ -46,14 +46,16 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
         profile.misses.clear()
         costs = replace(costs, compute_table=profile.compute_s,
                         measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
-                        compute_scale=profile.cpu_contention)
+                        compute_scale=profile.cpu_contention, collective_sync_s=profile.collective_sync_s or 0.0)
     plan = solve(graph, costs, options)
     if profile is not None:
         measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
         note = (f"profile of {profile.device} (torch {profile.torch_version}): {len(profile.misses)} op timings "
                 f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
                 + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
-                   else ""))
+                   else "")
+                + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
+                   if profile.collective_sync_s else ""))
     return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
 
 

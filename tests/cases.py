@@ -378,7 +378,7 @@ def calibrate_links(rank: int, world: int, mesh: tuple, path: str) -> dict:
             out = (pm(x), m(x))
     from autopar.passes.planning import load_profile
     return {"comm": load_profile(path).comm if rank == 0 else None, "note": pm.plan.cost_note,
-            "out": out, "first_mtime": first}
+            "sync_s": load_profile(path).collective_sync_s if rank == 0 else None, "out": out, "first_mtime": first}
 
 
 def bucketed_data_parallel(rank: int, world: int) -> dict:

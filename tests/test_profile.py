@@ -4,6 +4,7 @@ really drive the plan."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -71,6 +72,8 @@ def test_calibration_on_4_gloo_ranks(tmp_path):
         assert fit["ranks"] == 2 and fit["residual"] < 1.0, (key, fit)
     assert "links measured" in first["note"]
     assert second["comm"] == comm  # the cached calibration is reused, not measured again
+    assert first["sync_s"] is not None and 0 <= first["sync_s"] < 1.0
+    assert second["sync_s"] == first["sync_s"]
     for res in (first, second):
         torch.testing.assert_close(*res["out"])
 
@@ -99,3 +102,46 @@ def test_the_profile_drives_the_plan(tmp_path):
     sharded = lambda p: sum(1 for n in p.nodes if n.kind.is_input and not n.outputs[0].is_replicated())  # noqa: E731
     assert sharded(cheap) > sharded(dear)
     assert "profile of cpu" in dear.cost_note and "missing" in dear.cost_note
+
+
+def test_each_collective_call_pays_the_wait_for_ranks_sharing_cores():
+    """CostModel.collective_sync_s is added once per collective call, forward and
+    backward; a grad sync's backward goes into a gradient bucket (one wait per bucket,
+    not per parameter) and local steps never wait."""
+    from autopar.core.kinds import StepKind
+    from autopar.core.resharding import Step
+    from autopar.cost_models.model import CostModel
+    base = CostModel.analytic("cpu", (4,), training=True)
+    synced = replace(base, collective_sync_s=0.25)
+    local = 4096
+    diff = lambda kind, backward: (synced.step_s(Step(kind, 0, dim=0, backward=backward), local, True)  # noqa: E731
+                                   - base.step_s(Step(kind, 0, dim=0, backward=backward), local, True))
+    assert diff(StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER) == pytest.approx(0.5)
+    assert diff(StepKind.SLICE, StepKind.ALL_GATHER) == pytest.approx(0.25)
+    assert diff(StepKind.ALL_REDUCE, StepKind.IDENTITY) == pytest.approx(0.25)
+    assert diff(StepKind.GRAD_SYNC, StepKind.ALL_REDUCE) == 0.0
+    inference = replace(synced, training=False)
+    assert (inference.step_s(Step(StepKind.ALL_GATHER, 0, dim=0, backward=StepKind.REDUCE_SCATTER), local, True)
+            - replace(base, training=False).step_s(Step(StepKind.ALL_GATHER, 0, dim=0), local, True)
+            == pytest.approx(0.25))
+
+
+def test_the_profile_keeps_its_sync_figure_and_a_dear_one_steers_the_plan(tmp_path):
+    model = MLP((256, 1024, 256, 1024, 256)).eval()
+    x = torch.randn(64, 256)
+    plans = {}
+    for name, sync_s in {"free": 0.0, "dear": 1.0}.items():
+        p = _profile_with_links(1e-12, 1e-15)
+        p.device, p.collective_sync_s = "cpu", sync_s
+        path = str(tmp_path / f"{name}.json")
+        save_profile(p, path)
+        assert load_profile(path).collective_sync_s == sync_s
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plans[name] = autopar.plan(model, (x,), mesh=(1, 4), cost_model=path)
+    assert len(plans["free"].collectives()) > 0
+    assert plans["dear"].collectives() == ()  # every collective would wait a second
+    assert "per collective" in plans["dear"].cost_note
+    older = Profile("cpu").to_dict()
+    del older["collective_sync_s"]  # a file written before the figure existed: measured again
+    assert Profile.from_dict(older).collective_sync_s is None

@@ -2,7 +2,8 @@
 
 1. compute: every distinct (op, local shapes) the candidate strategies would run is
    timed here (CUDA events on a GPU, a monotonic clock on a CPU);
-2. contention: on a CPU host, how much slower ranks run when they share cores;
+2. contention: on a CPU host, how much slower ranks run when they share cores, and what
+   each collective costs them in waiting for one another;
 3. links: each collective timed along each mesh axis on this rank's own group of that
    axis (so on two nodes the axis inside a node and the axis across them get their own
    figures), fitted to alpha + bytes * beta and tagged with the axis's link kind.
@@ -143,6 +144,42 @@ def measure_contention(device: torch.device, group=None) -> float:
     return max(1.0, float(together[0] / alone[0]))
 
 
+def measure_sync_s(device: torch.device, group=None, segments: int = 12, rounds: int = 5) -> float:
+    """Seconds a collective costs beyond its own time when ranks reach it from compute,
+    as in a program (every rank must call this). Calibration starts each collective on
+    ranks that left a barrier together; in a program each rank arrives when its compute
+    is done, and where ranks share cores the scheduler hands them the cores unevenly, so
+    every collective waits for the rank that got the least. Measured as: segments of
+    compute each followed by a small all-reduce, less the same compute without it, less
+    the all-reduce alone; the median of `rounds`, averaged over ranks (every rank gets
+    the same figure). About 0 where each rank has its own core."""
+    a = torch.randn(256, 256, device=device)
+    small = torch.zeros(64, device=device)
+
+    def compute():
+        x = a
+        for _ in range(4):
+            x = torch.tanh(x @ a)
+
+    def per_segment(step: Callable[[], Any]) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(segments):
+            step()
+        dist.barrier(group=group)
+        return (time.perf_counter() - t0) / segments
+
+    samples = []
+    for _ in range(rounds):
+        alone = per_segment(compute)
+        collective = per_segment(lambda: dist.all_reduce(small, group=group))
+        both = per_segment(lambda: (compute(), dist.all_reduce(small, group=group)))
+        samples.append(both - alone - collective)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return max(0.0, float(t[0]) / dist.get_world_size(group))
+
+
 # ---- 3. communication calibration ------------------------------------------------
 
 def calibrate(comms: tuple[AxisComm, ...], device: torch.device, sizes: Optional[list[int]] = None, repeats: int = 5,
@@ -202,8 +239,9 @@ def profile_for_mesh(path: str, mesh: Mesh, comms: tuple[AxisComm, ...], device:
     else:
         profile = Profile(_compat.device_name(device))
     have = profile.links(mesh.shape, kinds)
-    if device.type == "cpu" and (not have or profile.cpu_contention == 1.0):
+    if device.type == "cpu" and (not have or profile.cpu_contention == 1.0 or profile.collective_sync_s is None):
         profile.cpu_contention = measure_contention(device)
+        profile.collective_sync_s = measure_sync_s(device)
     if any((a, k) not in have for a, n in enumerate(mesh.shape) if n > 1 for k in COLLECTIVES):
         profile.comm.update(calibrate(comms, device, kinds=kinds))
     return profile
