@@ -22,8 +22,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 START_METHOD = "forkserver"
-# what the fork server imports before it forks any rank (a failing import is skipped)
-PRELOAD = ["torch", "torch.distributed", "transformers", "autopar.api", "tests.cases"]
+# what the fork server imports before it forks any rank (a failing import is skipped).
+# Besides the packages: what every rank's first trace and first model would import
+# lazily (torch.export's tracer, networkx through the partitioner, transformers' masks
+# and the families the cases build), about 0.8 s of CPU per rank that every spawn paid
+# again; none of them starts a thread
+PRELOAD = ["torch", "torch.distributed", "transformers", "autopar.api", "tests.cases",
+           "torch.export._trace", "networkx", "transformers.masking_utils",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+           "transformers.models.bert.modeling_bert", "transformers.models.mistral.modeling_mistral"]
 SPAWN_TIMEOUT_S = float(os.environ.get("AUTOPAR_TEST_TIMEOUT_S", "600"))
 COLLECTIVE_TIMEOUT_S = 120
 
