@@ -200,9 +200,14 @@ def fuzz_on_ranks(rank: int, world: int, specs: list) -> dict:
     return {"cases": out}
 
 
-def one_rank_fails(rank: int, world: int, where: str, timeout_s: float = 8.0) -> dict:
+def one_rank_fails(rank: int, world: int, where: str, timeout_s: float = 8.0, done_dir: str = "") -> dict:
     """Rank 1 fails on purpose ('compile': different input shapes; 'step': raises before
-    its forward). The others must raise within the collective timeout, not hang."""
+    its forward). The others must raise within the collective timeout, not hang.
+    `done_dir`: each other rank leaves a file there once it has raised, and rank 1 (alive
+    but silent until then, so no peer sees its connections close) stops once all have,
+    instead of always sleeping out 3 timeouts; a peer that hangs still keeps rank 1 there
+    for the 3 timeouts, and then raises later than the test allows."""
+    import os
     import time
     m = models.build("mlp")
     x = torch.randn(8 if (where == "compile" and rank == 1) else 4, 16)
@@ -213,14 +218,19 @@ def one_rank_fails(rank: int, world: int, where: str, timeout_s: float = 8.0) ->
             pm = autopar.compile(m, (x,), mesh=(2, 2), device=CHEAP_COMM, collective_timeout_s=timeout_s)
         if where == "step":
             if rank == 1:  # alive but silent: its peers must give up after the timeout
-                time.sleep(timeout_s * 3)
+                wake = time.monotonic() + timeout_s * 3
+                while time.monotonic() < wake and not (done_dir and len(os.listdir(done_dir)) == world - 1):
+                    time.sleep(0.1)
                 raise KeyboardInterrupt("rank 1 stops on purpose") from None
             pm(x)
             pm(x)
     except KeyboardInterrupt as e:
         return {"error": None, "raised_on_purpose": str(e), "seconds": time.monotonic() - t0}
     except Exception as e:  # noqa: BLE001 - what the test inspects
-        return {"error": None, "caught": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+        seconds = time.monotonic() - t0
+        if done_dir and where == "step":
+            open(os.path.join(done_dir, f"rank{rank}"), "w").close()
+        return {"error": None, "caught": f"{type(e).__name__}: {e}", "seconds": seconds}
     return {"error": None, "caught": None, "seconds": time.monotonic() - t0}
 
 

@@ -7,14 +7,22 @@ import pytest
 from tests import cases
 from tests.harness import run_ranks
 
-# two 4-rank spawns, one waiting out a collective timeout on purpose (half a minute); the
-# quick set runs real ranks in test_fuzz, test_training and test_runtime
+# one 4-rank spawn, waiting out a collective timeout on purpose (8 s); the quick set runs
+# real ranks in test_fuzz, test_training and test_runtime
 pytestmark = pytest.mark.slow
 
 
-def test_a_failing_rank_never_hangs_the_others():
-    results = run_ranks(4, [(cases.one_rank_fails, dict(where="compile")),
-                            (cases.one_rank_fails, dict(where="step", timeout_s=8.0))])
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    # verify first: the failures after it leave the process group unusable for more cases
+    return run_ranks(4, [(cases.verify_plans, dict(mesh=(2, 2))),
+                         (cases.one_rank_fails, dict(where="compile")),
+                         (cases.one_rank_fails, dict(where="step", timeout_s=8.0,
+                                                     done_dir=str(tmp_path_factory.mktemp("raised"))))])
+
+
+def test_a_failing_rank_never_hangs_the_others(four_ranks):
+    results = [r[1:] for r in four_ranks]
     compile_fail = [r[0] for r in results]
     # rank 1 traced other shapes: every rank fails at the start-up check, at once
     for rank, res in enumerate(compile_fail):
@@ -32,9 +40,8 @@ def test_a_failing_rank_never_hangs_the_others():
         assert 8.0 <= res["seconds"] < 24.0, (rank, res)
 
 
-def test_verify_passes_a_correct_plan_and_names_a_corrupted_one():
-    results = run_ranks(4, [(cases.verify_plans, dict(mesh=(2, 2)))])
-    for rank, (res,) in enumerate(results):
+def test_verify_passes_a_correct_plan_and_names_a_corrupted_one(four_ranks):
+    for rank, res in enumerate(r[0] for r in four_ranks):
         good, bad = res["good"], res["bad"]
         assert good.ok, f"rank {rank}: {good}"
         assert good.outputs and good.gradients and good.layers
