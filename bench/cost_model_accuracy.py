@@ -70,6 +70,7 @@ def run(rank: int, world: int, args, profile_path: str) -> None:
 
             measured = median_step_s(step, args.steps)
             plan = pm.plan
+            note = plan.cost_note
             rows.append((f"{layers}L/{hidden}h b{batch}x{seq}", mode, plan.compute_s, plan.comm_s, plan.hidden_s,
                          plan.total_s, measured))
     if rank == 0:
@@ -79,7 +80,7 @@ def run(rank: int, world: int, args, profile_path: str) -> None:
             print(f"{name:<18} {mode:<17} {c * 1e3:>10.2f}ms {m * 1e3:>8.2f}ms {h * 1e3:>7.2f}ms {p * 1e3:>8.2f}ms "
                   f"{meas * 1e3:>8.2f}ms {p / meas:>9.2f}")
         ratios = [p / meas for *_, p, meas in rows]
-        print(f"cost model: {args.cost_model}; {world} gloo ranks on {os.cpu_count()} cores")
+        print(f"cost model: {args.cost_model}; {world} gloo ranks on {os.cpu_count()} cores; {note}")
         print(f"predicted/measured: {statistics.median(ratios):.2f}")
 
 

@@ -1,9 +1,9 @@
 """The cost model the solver reads: seconds for an op under a strategy, seconds for
 a reshard step (forward and its conjugate backward), bytes per rank.
 
-Compute comes from the analytic roofline for now; a profile (measured times keyed by
-op, local shapes, dtype and device) plugs in through `compute_table` and takes
-priority where it has an entry."""
+Compute comes from the analytic roofline; a profile (measured times keyed by op, local
+shapes, dtype and device) plugs in through `compute_table` (forward) and
+`backward_table` and takes priority where it has an entry."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ class CostModel:
     training: bool = False
     links: tuple[Link, ...] = ()  # per mesh axis (DeviceSpec.axis_links); none: one node, all intra-node
     compute_table: Optional[ComputeTable] = field(default=None, compare=False)
+    # measured backward seconds of an op at its local shapes (a profile's); where it has no
+    # entry the backward is the forward times compute.backward_factor
+    backward_table: Optional[ComputeTable] = field(default=None, compare=False)
     # measured links per (mesh axis, collective), from a calibration; take priority
     measured_links: dict = field(default_factory=dict, compare=False, hash=False)
     # compute slow-down at run time relative to the timings: CPU ranks sharing cores
@@ -75,10 +78,12 @@ class CostModel:
             fwd = self.compute_table(target, li, lo)
         if fwd is None:
             fwd = compute.compute_s(self.device, target, li, lo)
-        fwd *= self.compute_scale
+        bwd = 0.0
         if self.training:
-            fwd *= 1.0 + compute.backward_factor(target, lo)
-        return Cost(compute_s=fwd)
+            bwd = self.backward_table(target, li, lo) if self.backward_table is not None else None
+            if bwd is None:
+                bwd = fwd * compute.backward_factor(target, lo)
+        return Cost(compute_s=(fwd + bwd) * self.compute_scale)
 
     # ---- communication -------------------------------------------------------
     def _collective_s(self, kind: str, step: Step, local: int) -> float:

@@ -4,6 +4,7 @@ calibration (alpha and beta per mesh axis and collective), kept in one JSON file
     {"schema": "autopar.profile", "schema_version": 1, "device": "cpu", "torch_version": ..,
      "created": "2026-11-30T04:10:00Z", "cpu_contention": 4.0, "collective_sync_s": 0.006,
      "compute": {"<op>|<input shapes:dtypes>|<output shapes>": seconds, ...},
+     "backward": {<the same keys>: seconds of the op's backward, ...},
      "comm": {"<axis>:<collective>": {"alpha_s": .., "beta_s_per_byte": .., "residual": .., "ranks": n,
                                        "link": "intra" | "inter"}}}
 
@@ -49,6 +50,9 @@ class Profile:
     torch_version: str = torch.__version__
     created: str = ""
     compute: dict[str, float] = field(default_factory=dict)
+    # the same keys: seconds of the op's backward (autograd.grad of its floating outputs
+    # with respect to its floating inputs); absent where it has none or could not replay
+    backward: dict[str, float] = field(default_factory=dict)
     comm: dict[str, dict] = field(default_factory=dict)
     # ranks per core when run on a CPU host (timings are taken by one rank alone; at run
     # time that many ranks share each core); 1.0 on GPUs
@@ -60,6 +64,9 @@ class Profile:
     misses: set = field(default_factory=set)  # compute keys looked up and not found
 
     # ---- lookups the cost model makes --------------------------------------------
+    def backward_s(self, target: Any, inputs: tuple, outputs: tuple) -> Optional[float]:
+        return self.backward.get(compute_key(target, inputs, outputs))
+
     def compute_s(self, target: Any, inputs: tuple, outputs: tuple) -> Optional[float]:
         key = compute_key(target, inputs, outputs)
         value = self.compute.get(key)
@@ -86,7 +93,7 @@ class Profile:
                 "torch_version": self.torch_version,
                 "created": self.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "cpu_contention": self.cpu_contention, "collective_sync_s": self.collective_sync_s,
-                "compute": self.compute, "comm": self.comm}
+                "compute": self.compute, "backward": self.backward, "comm": self.comm}
 
     @staticmethod
     def from_dict(d: Any, source: str = "<dict>") -> "Profile":
@@ -96,7 +103,7 @@ class Profile:
         try:
             sync = d.get("collective_sync_s")
             return Profile(d["device"], d.get("torch_version", ""), d.get("created", ""), dict(d["compute"]),
-                           dict(d.get("comm", {})), float(d.get("cpu_contention", 1.0)),
+                           dict(d.get("backward", {})), dict(d.get("comm", {})), float(d.get("cpu_contention", 1.0)),
                            None if sync is None else float(sync))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanFileError(f"{source} is a damaged autopar profile ({type(e).__name__}: {e}); "

@@ -44,7 +44,7 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     note = f"analytic preset {costs.device.name}"
     if profile is not None:
         profile.misses.clear()
-        costs = replace(costs, compute_table=profile.compute_s,
+        costs = replace(costs, compute_table=profile.compute_s, backward_table=profile.backward_s,
                         measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
                         compute_scale=profile.cpu_contention, collective_sync_s=profile.collective_sync_s or 0.0)
     plan = solve(graph, costs, options)

@@ -36,6 +36,34 @@ def test_profiler_measures_matmul_and_elementwise_and_reuses_its_cache(tmp_path)
     again = load_profile(path)
     assert again.compute == profile.compute
     assert profile_compute(samples, again, torch.device("cpu"), progress=False) == 0  # nothing re-measured
+    assert again.backward == {}  # an inference plan's profile times no backward
+
+
+def test_a_training_profile_times_each_ops_backward_and_the_cost_model_reads_it(tmp_path):
+    from autopar.cost_models.model import CostModel
+    model = MLP((16, 64, 16)).train()
+    graph = annotate(trace(model, (torch.randn(8, 16),)), Mesh((2, 2)))
+    samples = samples_of(graph, (2, 2))
+    profile = Profile("cpu")
+    assert profile_compute(samples, profile, torch.device("cpu"), progress=False, backward=True) == len(samples)
+    assert set(profile.backward) == set(profile.compute)  # linear and relu all have a backward
+    assert all(v >= 0 for v in profile.backward.values())
+    path = str(tmp_path / "profile.json")
+    save_profile(profile, path)
+    again = load_profile(path)
+    assert again.backward == profile.backward
+    assert profile_compute(samples, again, torch.device("cpu"), progress=False, backward=True) == 0
+    # the cost model prices a training op as (forward + measured backward) x contention
+    costs = CostModel.analytic("cpu", (2, 2), training=True)
+    measured = replace(costs, compute_table=lambda *a: 2.0, backward_table=lambda *a: 5.0, compute_scale=3.0)
+    unmeasured = replace(measured, backward_table=lambda *a: None)
+    node = next(n for n in graph.nodes if n.call is not None and n.strategies)
+    s = node.strategies[0]
+    target = node.call.target
+    assert measured.op_cost(target, s.inputs, s.outputs).compute_s == pytest.approx((2.0 + 5.0) * 3.0)
+    from autopar.cost_models.compute import backward_factor
+    factor = backward_factor(target, tuple(measured.local(o) for o in s.outputs))
+    assert unmeasured.op_cost(target, s.inputs, s.outputs).compute_s == pytest.approx(2.0 * (1 + factor) * 3.0)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """Measuring on this machine and its live process groups, for the profiling cost model.
 
 1. compute: every distinct (op, local shapes) the candidate strategies would run is
-   timed here (CUDA events on a GPU, a monotonic clock on a CPU);
+   timed here (CUDA events on a GPU, a monotonic clock on a CPU), forward and, for a
+   training plan, backward;
 2. contention: on a CPU host, how much slower ranks run when they share cores, and what
    each collective costs them in waiting for one another;
 3. links: each collective timed along each mesh axis on this rank's own group of that
@@ -94,31 +95,77 @@ def samples_of(graph: AnnotatedGraph, mesh_shape: tuple[int, ...]) -> list[OpSam
 
 
 def profile_compute(samples: Iterable[OpSample], profile: Profile, device: torch.device,
-                    budget_s: float = 120.0, progress: bool = True) -> int:
-    """Time the samples the profile lacks; returns how many were measured. Stops when
-    the time budget is spent (the rest fall back to the analytic model)."""
-    todo = [s for s in samples if s.key not in profile.compute]
+                    budget_s: float = 120.0, progress: bool = True, backward: bool = False) -> int:
+    """Time the samples the profile lacks, forward and, with `backward` (a training plan),
+    their backward; returns how many forwards were measured. Stops when the time budget
+    is spent (the rest fall back to the analytic model, and the backward to the forward
+    times compute.backward_factor)."""
+    samples = list(samples)
+    todo = [s for s in samples if s.key not in profile.compute
+            or (backward and s.key not in profile.backward and _differentiable(s))]
     t0 = time.monotonic()
     measured = 0
+    call_s = _grad_call_s(device) if backward and todo else 0.0
     for i, s in enumerate(todo):
         if time.monotonic() - t0 > budget_s:
             if progress:
                 print(f"autopar: profiling budget of {budget_s:.0f} s spent; {len(todo) - i} op timings left to the "
                       "analytic model", file=sys.stderr)
             break
-        tensors = [_example(m, device) for m in s.inputs]
-        leaves, tree = _compat.tree_flatten((s.args, s.kwargs))
-        filled = [tensors[x.index] if isinstance(x, TensorArg) else x for x in leaves]
-        args, kwargs = _compat.tree_unflatten(filled, tree)
         try:
-            with torch.no_grad():
-                profile.compute[s.key] = time_call(lambda: s.target(*args, **kwargs), device)
-            measured += 1
+            if s.key not in profile.compute:
+                args, kwargs, _ = _replay_inputs(s, device, grad=False)
+                with torch.no_grad():
+                    profile.compute[s.key] = time_call(lambda: s.target(*args, **kwargs), device)
+                measured += 1
+            if backward and _differentiable(s):
+                profile.backward[s.key] = _time_backward(s, device, call_s)
         except Exception:  # noqa: BLE001 - an op that cannot replay in isolation keeps its analytic cost
             continue
         if progress and len(todo) > 50 and (i + 1) % 100 == 0:
             print(f"autopar: profiled {i + 1}/{len(todo)} op shapes", file=sys.stderr)
     return measured
+
+
+def _differentiable(s: OpSample) -> bool:
+    return any(m.dtype.is_floating_point for m in s.inputs) and any(m.dtype.is_floating_point for m in s.outputs)
+
+
+def _replay_inputs(s: OpSample, device: torch.device, grad: bool) -> tuple[Any, Any, list[torch.Tensor]]:
+    """The sample's arguments with example tensors in place (floating ones requiring grad
+    with `grad`), and those differentiable tensors."""
+    tensors = [_example(m, device) for m in s.inputs]
+    leaves = [t.requires_grad_() for t in tensors if grad and t.dtype.is_floating_point]
+    flat, tree = _compat.tree_flatten((s.args, s.kwargs))
+    filled = [tensors[x.index] if isinstance(x, TensorArg) else x for x in flat]
+    args, kwargs = _compat.tree_unflatten(filled, tree)
+    return args, kwargs, leaves
+
+
+def _grad_call_s(device: torch.device) -> float:
+    """What one torch.autograd.grad call costs around the nodes it runs (starting the
+    engine, Python's side of the call), timed on a one-element view: a program's
+    backward runs all its nodes in one call, so each op's timing leaves this out."""
+    x = torch.zeros(1, device=device, requires_grad=True)
+    with torch.enable_grad():
+        y = x.view(-1)
+    g = torch.ones_like(y)
+    return time_call(lambda: torch.autograd.grad(y, x, g, retain_graph=True), device, warmup=5, repeats=21)
+
+
+def _time_backward(s: OpSample, device: torch.device, call_s: float = 0.0) -> float:
+    """Seconds of the op's backward alone: the gradients of its floating inputs from
+    random gradients of its floating outputs, through one recorded forward (kept for
+    the repeats), less `call_s` (_grad_call_s). Raises where the op records no backward."""
+    args, kwargs, leaves = _replay_inputs(s, device, grad=True)
+    with torch.enable_grad():
+        out = s.target(*args, **kwargs)
+    outs = [o for o in _compat.tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs:
+        raise ValueError(f"{s.key} records no backward")
+    grads = [torch.randn_like(o) for o in outs]
+    seconds = time_call(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True), device)
+    return max(seconds - call_s, 0.0)
 
 
 def measure_contention(device: torch.device, group=None) -> float:

@@ -232,7 +232,9 @@ class ParallelModule(ShardedStateMethods, nn.Module):
 
     def _solve_graph(self, graph: AnnotatedGraph, profile) -> Plan:
         if profile is not None:
-            profile_compute(samples_of(graph, self.mesh.shape), profile, self.device, self.options.profile_budget_s)
+            training = graph.traced.training if self.options.training is None else self.options.training
+            profile_compute(samples_of(graph, self.mesh.shape), profile, self.device, self.options.profile_budget_s,
+                            backward=training)
             save_profile(profile, self._profile_path())
         return plan_annotated(graph, self.options, profile)
 
