@@ -62,7 +62,10 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dev = CHEAP_COMM if device == "cheap" else device
-        plan = hand_plan(m, args, kwargs, mesh=mesh, style=style, device=dev) if style else None
+        # the hand plan made once (rank 0: trace + pinned solve) and sent to every rank, as
+        # the solver's own plan is; compile's start-up check still has every rank agree
+        plan = _planned_on_rank0(lambda: hand_plan(m, args, kwargs, mesh=mesh, style=style, device=dev)) \
+            if style else None
         pm = autopar.compile(m, args, kwargs, mesh=mesh, device=dev, plan=plan)
     loss = _loss(pm(*args, **kwargs))
     loss.backward()
@@ -70,6 +73,14 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
     return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": _grad_pairs(pm, ref_grads, rank),
             "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements(),
             "shared_blocks": plan.solver.shared_blocks}
+
+
+def _planned_on_rank0(make):
+    """What make() returns on rank 0, broadcast to every rank."""
+    import torch.distributed as dist
+    box = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _grad_pairs(pm, ref_grads: dict, rank: int) -> dict:
