@@ -49,6 +49,10 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
             except Exception:  # noqa: BLE001 - reported to the parent test with the traceback
                 results.append({"error": traceback.format_exc()})
                 break
+            unwaited = _unwaited_collectives()
+            if unwaited:  # its output may be freed while gloo still writes it
+                results.append({"error": f"{fn.__name__} left {unwaited} collectives launched and never waited"})
+                break
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         # every rank leaves together: a rank tearing down gloo while a peer still has
@@ -62,6 +66,13 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _unwaited_collectives() -> int:
+    """Functional collectives this rank launched and never waited on (torch's work
+    registry; 0 where this torch does not expose it)."""
+    size = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    return size() if size is not None else 0
 
 
 def run_ranks(world: int, cases: list[tuple[Callable, dict]]) -> list[list[Any]]:

@@ -58,6 +58,7 @@ def state_case(rank: int, world: int, root: str) -> dict:
         ref_opt.step()
     pipe, opt = _pipe(copy.deepcopy(model))
     _train(pipe, opt, batches, root)
+    unwaited = torch._C._distributed_c10d._get_work_registry_size()  # collectives launched and never waited
     piped = pipe.full_state_dict()
     pipe.load_full_state_dict(ref.state_dict())
     other, other_opt = _pipe(copy.deepcopy(model), schedule="gpipe")
@@ -67,7 +68,7 @@ def state_case(rank: int, world: int, root: str) -> dict:
     except autopar.CheckpointError as e:
         refused = str(e)
     return {"ref": {k: v.detach() for k, v in ref.state_dict().items()}, "piped": piped,
-            "loaded": pipe.full_state_dict(), "refused": refused}
+            "loaded": pipe.full_state_dict(), "refused": refused, "unwaited": unwaited}
 
 
 def resume_case(rank: int, world: int, root: str, mesh: tuple = (2, 2), schedule: str = "gpipe",
@@ -121,6 +122,9 @@ def test_pipelined_state_matches_one_device_and_resumes_exactly(tmp_path):
     for rank, r in enumerate(results):
         out = r[0]
         ref = out["ref"]
+        # each microbatch's backward reduces each gradient bucket once and waits for it
+        # (a bucket left full from the previous backward relaunched at every hook, unwaited)
+        assert out["unwaited"] == 0, f"rank {rank}: {out['unwaited']} collectives never waited"
         assert list(out["piped"]) == list(ref)  # every original name, in order, tied ones included
         for name, value in out["piped"].items():
             torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -13,7 +13,8 @@ their gradients instead.
    autograd stores this gradient there, and step 3 overwrites it). The moment a bucket
    is full its all-reduce starts over the first axis, while backward goes on.
 3. One callback at the end of backward waits for every bucket, reduces over any further
-   axes, and writes each gradient: .grad = reduced, or, where .grad held an earlier
+   axes, empties the bucket for the next backward (a pipeline runs several backwards
+   between two forwards' arming), and writes each gradient: .grad = reduced, or, where .grad held an earlier
    backward's (already reduced) gradient, .grad += reduced. Every replica adds the same
    two numbers, so replicas stay bit-equal under gradient accumulation (adding this
    rank's own part and then `reduced - own` rounded differently on each rank), and
@@ -92,6 +93,13 @@ class GradBuckets:
         if not self.queued:
             self.queued = True
             _compat.queue_backward_callback(self.finish)
+        if id(param) in bucket.arrived:
+            # a leaf's hook fires once per backward, and `finish` empties the bucket at the
+            # end of every backward: a second gradient means a backward inside a backward,
+            # whose sum may already be on the wire (reducing again would drop it unwaited)
+            raise GradientError(f"a data-parallel parameter of shape {tuple(param.shape)} got a second gradient "
+                                "within one backward; autopar reduces each parameter's gradient once per backward "
+                                "pass (a reentrant backward through the parallel model is not supported)")
         if bucket.flat is None:
             bucket.flat = grad.new_zeros(bucket.numel, dtype=self.reduce_dtype or grad.dtype)
         offset = bucket.offsets[id(param)]
@@ -123,7 +131,10 @@ class GradBuckets:
                 reduced = all_reduce(reduced, self.comms[axis])
             if refusal is None:
                 self._write(bucket, reduced)
+            # empty for the next backward, which may come before the next forward (a
+            # pipeline runs every microbatch's forward, then their backwards)
             bucket.flat, bucket.started = None, None
+            bucket.arrived.clear()
         self.queued = False
         if refusal is not None:
             raise GradientError(refusal)
