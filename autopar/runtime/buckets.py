@@ -11,7 +11,8 @@ their gradients instead.
    what .grad held before) into its bucket's flat buffer; where .grad holds an earlier
    gradient, it hands autograd zeros to accumulate in its place (where .grad is None,
    autograd stores this gradient there, and step 3 overwrites it). The moment a bucket
-   is full its all-reduce starts over the first axis, while backward goes on.
+   is full its all-reduce starts over the first axis, in place (the flat buffer is the
+   bucket's own, and no hook writes it again before `finish`), while backward goes on.
 3. One callback at the end of backward waits for every bucket, reduces over any further
    axes, empties the bucket for the next backward (a pipeline runs several backwards
    between two forwards' arming), and writes each gradient: .grad = reduced, or, where .grad held an earlier
@@ -32,7 +33,7 @@ import torch
 
 from autopar import _compat
 from autopar.core.errors import GradientError
-from autopar.runtime.collectives import AxisComm, Move, all_reduce, finish, launch
+from autopar.runtime.collectives import AxisComm, Move, all_reduce, finish, launch_sum_in_place
 from autopar.core.kinds import StepKind
 
 BUCKET_BYTES = 25 * 2**20
@@ -106,7 +107,7 @@ class GradBuckets:
         bucket.flat[offset: offset + grad.numel()].copy_(grad.reshape(-1))
         bucket.arrived[id(param)] = None if param.grad is None else param.grad._version
         if len(bucket.arrived) == len(bucket.params):
-            bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
+            bucket.started = launch_sum_in_place(bucket.flat, self.comms[bucket.axes[0]])
         if param.grad is None:
             return None
         return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
@@ -120,7 +121,7 @@ class GradBuckets:
             if bucket.flat is None:
                 continue
             if bucket.started is None:  # some parameter got no gradient this time
-                bucket.started = launch(_SUM, bucket.flat, self.comms[bucket.axes[0]])
+                bucket.started = launch_sum_in_place(bucket.flat, self.comms[bucket.axes[0]])
         refusal = next(filter(None, (_unaccumulated(p, b.arrived[id(p)]) for b in self.buckets if b.flat is not None
                                      for p in b.params if id(p) in b.arrived)), None)
         for bucket in self.buckets:

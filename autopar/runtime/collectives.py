@@ -123,6 +123,15 @@ def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     raise ValueError(f"unknown move {kind!r}")
 
 
+def launch_sum_in_place(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """Sum contiguous x across the axis into x itself (the functional all_reduce copies its
+    input first: a gradient bucket, which nothing else reads or writes until it is
+    finished, need not pay that copy); `finish(Move(ALL_REDUCE), ...)` completes it."""
+    if comm.size == 1:
+        return x
+    return _C10D.all_reduce_(x, "sum", comm.name)
+
+
 def finish(move: Move, started: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     """The result of a launched move (waits for a collective first)."""
     n, kind = comm.size, move.kind
