@@ -413,9 +413,11 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(m, (xs[0],), mesh=(world, 1))
+    buffers = []
     for x in xs:
         (pm(x) ** 2).mean().backward()
         (ref(x) ** 2).mean().backward()
+        buffers.append([b.flat for b in pm.current.buckets.buckets])  # held: no address reused
     deferred = pm.current.program.gm.meta["autopar.deferred_grad_syncs"]
     grads = {k: (pm.shards.get_parameter(k).grad.clone(),
                  local_chunk(p.grad, pm.state_specs[k], pm.mesh.shape, pm.coords)) for k, p in ref.named_parameters()}
@@ -425,7 +427,8 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
     except autopar.GradientError as e:
         refused = str(e)
     after = (pm(xs[0]) ** 2).mean()  # every rank still in step: the next collective completes
-    return {"deferred": deferred, "code": pm.code, "grads": grads, "refused": refused, "after": after.detach()}
+    return {"deferred": deferred, "code": pm.code, "grads": grads, "refused": refused, "after": after.detach(),
+            "same_buffers": [x is not None and x is y for x, y in zip(*buffers)]}
 
 
 def forced_plan(model, args: tuple, mesh: tuple, op: str, keep):

@@ -171,6 +171,8 @@ def test_data_parallel_gradients_are_bucketed_and_accumulate():
         # every parameter's sync left the program: one bucketed all-reduce after backward
         assert len(res["deferred"]) == 8 and all(axes == (0,) for _, axes in res["deferred"]), res["deferred"]
         assert "grad_sync" not in res["code"]
+        # each bucket is summed in one buffer kept from backward to backward, as DDP's are
+        assert res["same_buffers"] and all(res["same_buffers"]), res["same_buffers"]
         for name, (got, want) in res["grads"].items():
             torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} accumulated grad {name}: {m}")
             # replicas of a replicated parameter must stay bit-equal, or they drift apart over training
