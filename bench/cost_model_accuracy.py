@@ -8,6 +8,10 @@ file), run for warm-up + --steps steps, and the median per-step time (slowest ra
 compared with the plan's prediction, for forward (inference plan) and forward+backward
 (training plan). The prediction is the overlapped step (cost_models/overlap.py):
 compute + comm - hidden, hidden being what gradient buckets hide under backward.
+The compute is the ops' timings, scaled by two measured factors the bench prints: how
+much slower ranks sharing cores run (contention), and how much slower ops run inside
+this config's rank program than timed alone (the first plan's program, run whole on
+rank 0 with stand-in collectives: runtime/measure.py calibrate_program).
 Last line: 'predicted/measured: <median ratio>'.
 
 The configs: GPT-2 blocks from 64 to 512 wide (the sizes a 2-core host runs in
@@ -71,17 +75,27 @@ def run(rank: int, world: int, args, profile_path: str) -> None:
             measured = median_step_s(step, args.steps)
             plan = pm.plan
             note = plan.cost_note
-            rows.append((f"{layers}L/{hidden}h b{batch}x{seq}", mode, plan.compute_s, plan.comm_s, plan.hidden_s,
-                         plan.total_s, measured))
+            rows.append((f"{layers}L/{hidden}h b{batch}x{seq}", mode, _in_program(pm, profile_path, mode != "forward"),
+                         plan.compute_s, plan.comm_s, plan.hidden_s, plan.total_s, measured))
     if rank == 0:
-        print(f"{'model':<18} {'step':<17} {'pred compute':>12} {'pred comm':>10} {'hidden':>9} {'predicted':>10} "
-              f"{'measured':>10} {'pred/meas':>9}")
-        for name, mode, c, m, h, p, meas in rows:
-            print(f"{name:<18} {mode:<17} {c * 1e3:>10.2f}ms {m * 1e3:>8.2f}ms {h * 1e3:>7.2f}ms {p * 1e3:>8.2f}ms "
-                  f"{meas * 1e3:>8.2f}ms {p / meas:>9.2f}")
+        print(f"{'model':<18} {'step':<17} {'in-program':>10} {'pred compute':>12} {'pred comm':>10} {'hidden':>9} "
+              f"{'predicted':>10} {'measured':>10} {'pred/meas':>9}")
+        for name, mode, f, c, m, h, p, meas in rows:
+            print(f"{name:<18} {mode:<17} {f:>9.2f}x {c * 1e3:>10.2f}ms {m * 1e3:>8.2f}ms {h * 1e3:>7.2f}ms "
+                  f"{p * 1e3:>8.2f}ms {meas * 1e3:>8.2f}ms {p / meas:>9.2f}")
         ratios = [p / meas for *_, p, meas in rows]
         print(f"cost model: {args.cost_model}; {world} gloo ranks on {os.cpu_count()} cores; {note}")
         print(f"predicted/measured: {statistics.median(ratios):.2f}")
+
+
+def _in_program(pm, profile_path: str, training: bool) -> float:
+    """The program factor the plan was priced with (rank 0 wrote it to the profile)."""
+    from autopar.cost_models.profile import program_key
+    from autopar.passes.planning import load_profile
+    if dist.get_rank() != 0:
+        return float("nan")
+    key = program_key(pm.current.traced.fingerprint, pm.mesh.shape, training)
+    return load_profile(profile_path).program_factor.get(key, 1.0)
 
 
 def _spawned(rank, world, store, args, profile_path):

@@ -5,6 +5,7 @@ calibration (alpha and beta per mesh axis and collective), kept in one JSON file
      "created": "2026-11-30T04:10:00Z", "cpu_contention": 4.0, "collective_sync_s": 0.006,
      "compute": {"<op>|<input shapes:dtypes>|<output shapes>": seconds, ...},
      "backward": {<the same keys>: seconds of the op's backward, ...},
+     "program_factor": {"<graph fingerprint>|<mesh shape>|<train|infer>": 1.3, ...},
      "comm": {"<axis>:<collective>": {"alpha_s": .., "beta_s_per_byte": .., "residual": .., "ranks": n,
                                        "link": "intra" | "inter"}}}
 
@@ -61,6 +62,13 @@ class Profile:
     # ranks sharing cores reach it at different times and all wait for the last (measured
     # with the contention; None: not measured, as in files written before it existed)
     collective_sync_s: Optional[float] = None
+    # per traced graph, mesh and mode: a planned rank program's measured time over the sum
+    # of its ops' timings (program_key). Ops timed alone, on inputs they reuse, run faster
+    # than inside a program, where each reads what the previous op just wrote and frees
+    # memory the allocator must fault in again; small ops most (x1.45 for a 2-layer, 64-wide
+    # GPT-2 forward on one CPU rank, x0.93 for a 512-wide one). Measured on the first plan
+    # of a graph (runtime/measure.py: calibrate_program) and applied to every op of it
+    program_factor: dict[str, float] = field(default_factory=dict)
     misses: set = field(default_factory=set)  # compute keys looked up and not found
 
     # ---- lookups the cost model makes --------------------------------------------
@@ -93,7 +101,8 @@ class Profile:
                 "torch_version": self.torch_version,
                 "created": self.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "cpu_contention": self.cpu_contention, "collective_sync_s": self.collective_sync_s,
-                "compute": self.compute, "backward": self.backward, "comm": self.comm}
+                "compute": self.compute, "backward": self.backward, "comm": self.comm,
+                "program_factor": self.program_factor}
 
     @staticmethod
     def from_dict(d: Any, source: str = "<dict>") -> "Profile":
@@ -104,10 +113,16 @@ class Profile:
             sync = d.get("collective_sync_s")
             return Profile(d["device"], d.get("torch_version", ""), d.get("created", ""), dict(d["compute"]),
                            dict(d.get("backward", {})), dict(d.get("comm", {})), float(d.get("cpu_contention", 1.0)),
-                           None if sync is None else float(sync))
+                           None if sync is None else float(sync),
+                           {str(k): float(v) for k, v in dict(d.get("program_factor", {})).items()})
         except (KeyError, TypeError, ValueError) as e:
             raise PlanFileError(f"{source} is a damaged autopar profile ({type(e).__name__}: {e}); "
                                 "delete it to measure again") from e
+
+
+def program_key(fingerprint: str, mesh_shape: tuple[int, ...], training: bool) -> str:
+    """Profile.program_factor's key: a traced graph's fingerprint, the mesh, and the mode."""
+    return f"{fingerprint}|{'x'.join(map(str, mesh_shape))}|{'train' if training else 'infer'}"
 
 
 # ---- fitting calibration timings --------------------------------------------------

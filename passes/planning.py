@@ -17,7 +17,7 @@ from autopar.core.placement import Placement
 from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
-from autopar.cost_models.profile import Profile
+from autopar.cost_models.profile import Profile, program_key
 from autopar.passes.solve import solve
 from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph, trace
@@ -44,9 +44,11 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     note = f"analytic preset {costs.device.name}"
     if profile is not None:
         profile.misses.clear()
+        in_program = profile.program_factor.get(program_key(traced.fingerprint, mesh.shape, training), 1.0)
         costs = replace(costs, compute_table=profile.compute_s, backward_table=profile.backward_s,
                         measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
-                        compute_scale=profile.cpu_contention, collective_sync_s=profile.collective_sync_s or 0.0)
+                        compute_scale=profile.cpu_contention * in_program,
+                        collective_sync_s=profile.collective_sync_s or 0.0)
     plan = solve(graph, costs, options)
     if profile is not None:
         measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
@@ -54,6 +56,7 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                 f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
                 + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
                    else "")
+                + (f"; ops x{in_program:.3g} inside the rank program (measured)" if in_program != 1.0 else "")
                 + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
                    if profile.collective_sync_s else ""))
     return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))

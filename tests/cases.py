@@ -398,8 +398,10 @@ def calibrate_links(rank: int, world: int, mesh: tuple, path: str) -> dict:
         with torch.no_grad():
             out = (pm(x), m(x))
     from autopar.passes.planning import load_profile
-    return {"comm": load_profile(path).comm if rank == 0 else None, "note": pm.plan.cost_note,
-            "sync_s": load_profile(path).collective_sync_s if rank == 0 else None, "out": out, "first_mtime": first}
+    profile = load_profile(path) if rank == 0 else None
+    return {"comm": profile and profile.comm, "note": pm.plan.cost_note,
+            "sync_s": profile and profile.collective_sync_s, "out": out, "first_mtime": first,
+            "program_factor": profile and profile.program_factor}
 
 
 def bucketed_data_parallel(rank: int, world: int) -> dict:

@@ -102,6 +102,9 @@ def test_calibration_on_4_gloo_ranks(tmp_path):
     assert second["comm"] == comm  # the cached calibration is reused, not measured again
     assert first["sync_s"] is not None and 0 <= first["sync_s"] < 1.0
     assert second["sync_s"] == first["sync_s"]
+    # the first plan's program was timed whole on rank 0, once: the second compile reuses it
+    assert len(first["program_factor"]) == 1 and 0.1 < next(iter(first["program_factor"].values())) < 20
+    assert second["program_factor"] == first["program_factor"]
     for res in (first, second):
         torch.testing.assert_close(*res["out"])
 
@@ -173,3 +176,61 @@ def test_the_profile_keeps_its_sync_figure_and_a_dear_one_steers_the_plan(tmp_pa
     older = Profile("cpu").to_dict()
     del older["collective_sync_s"]  # a file written before the figure existed: measured again
     assert Profile.from_dict(older).collective_sync_s is None
+
+
+def test_ops_inside_a_program_are_priced_with_its_measured_factor(tmp_path):
+    """Profile.program_factor scales every op of its graph, mesh and mode (and nothing
+    else): a factor of 2 doubles the plan's compute, and the note says so."""
+    from autopar.cost_models.profile import program_key
+    from autopar.passes.planning import trace_for_planning
+    model = MLP((256, 1024, 256)).train()
+    x = torch.randn(64, 256)
+    traced = trace_for_planning(model, (x,))
+    plans = {}
+    for factor in (1.0, 2.0):
+        p = _profile_with_links(1e-12, 1e-15)
+        p.device = "cpu"
+        p.program_factor = {program_key(traced.fingerprint, (1, 4), True): factor,
+                            program_key(traced.fingerprint, (1, 4), False): 5.0}  # another mode: not read
+        path = str(tmp_path / f"x{factor}.json")
+        save_profile(p, path)
+        assert load_profile(path).program_factor == p.program_factor
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plans[factor] = autopar.plan(model, (x,), mesh=(1, 4), cost_model=path, training=True)
+    assert plans[2.0].compute_s == pytest.approx(2 * plans[1.0].compute_s)
+    assert "inside the rank program" in plans[2.0].cost_note and "inside" not in plans[1.0].cost_note
+    older = Profile("cpu").to_dict()
+    del older["program_factor"]  # a file written before the factor existed
+    assert Profile.from_dict(older).program_factor == {}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_sharded_rank_program_runs_alone_with_stand_in_collectives(family):
+    """What calibrate_program times: coordinate 0's program of a (2, 4) plan that shards
+    (every collective kind the plan uses), forward and backward, on one process with
+    no process group; its outputs have the shapes the in-process mesh simulator gives
+    rank 0."""
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced, trace_for_planning
+    from autopar.passes.simulate_mesh import simulate
+    from autopar.passes.trace import flatten_inputs
+    from autopar import _compat
+    from autopar.runtime.measure import program_alone, time_program
+    from autopar.runtime.module import whole_state
+    from autopar.tools.simulated import CHEAP_COMM
+    from tests.models import build, inputs
+    model = build(family).train()
+    args, kwargs = inputs(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace_for_planning(model, args, kwargs)
+        plan = plan_traced(traced, Mesh.of((2, 4)), autopar.Options(device=CHEAP_COMM, training=True))[1]
+    assert len({s.kind for c in plan.edges for s in c.steps if s.kind.communicates}) >= 2
+    state, user = whole_state(model), flatten_inputs(args, kwargs)[0]
+    gm, ins, leaves = program_alone(traced, plan, torch.device("cpu"), state, user, training=True)
+    assert leaves and all(t.requires_grad for t in leaves)
+    alone = [t for t in _compat.tree_flatten(gm(*ins))[0] if isinstance(t, torch.Tensor)]
+    simulated = simulate(traced, plan, state, user, traced.constants)[0][0]
+    assert [t.shape for t in alone] == [t.shape for t in simulated]
+    assert 0 < time_program(traced, plan, torch.device("cpu"), state, user, training=True) < 10

@@ -59,6 +59,14 @@ class AxisComm:
     size: int
     coord: int
     name: str  # the group's name, which functional collectives take (and torch.compile traces)
+    # no group: each collective is a local stand-in of the right shape (StandInCollectives),
+    # so one rank's program runs alone, as the profiler times it (runtime/measure.py)
+    stand_in: bool = False
+
+    @staticmethod
+    def standing_in(size: int) -> "AxisComm":
+        """An axis of `size` ranks seen from coordinate 0, with no process group."""
+        return AxisComm(None, size, 0, "", stand_in=True)
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,41 @@ def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+class StandInCollectives:
+    """The functional collectives' local stand-ins: a result of the shape the collective
+    returns, made without communicating (zeros where it brings other ranks' data, which
+    keeps indices valid and values finite), for timing one rank's program alone. Their
+    own cost is a copy or a fill of the result, a part of what the collective does."""
+
+    @staticmethod
+    def all_reduce(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        return x.clone()  # the functional all_reduce copies its input too
+
+    @staticmethod
+    def all_reduce_(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def all_gather_into_tensor(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
+        return x.new_zeros((x.shape[0] * n,) + tuple(x.shape[1:]))
+
+    @staticmethod
+    def reduce_scatter_tensor(x: torch.Tensor, op: str, n: int, name: str) -> torch.Tensor:
+        return x[: x.shape[0] // n].clone()
+
+    @staticmethod
+    def all_to_all_single(x: torch.Tensor, output_splits: list, input_splits: list, name: str) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def wait_tensor(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _ops(comm: AxisComm) -> Any:
+    return StandInCollectives if comm.stand_in else _C10D
+
+
 # ---- 1. moves: launch (issue) and finish (wait, lay out) -------------------------------
 
 def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
@@ -103,15 +146,15 @@ def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     if kind is StepKind.TO_PARTIAL:
         return x.clone() if comm.coord == 0 else torch.zeros_like(x)
     if kind is StepKind.ALL_REDUCE:
-        return _C10D.all_reduce(x.contiguous(), "max" if move.reduce == "max" else "sum", comm.name)
+        return _ops(comm).all_reduce(x.contiguous(), "max" if move.reduce == "max" else "sum", comm.name)
     if kind is StepKind.ALL_GATHER:
         if _short(move.size, n, move.unit):
             x = _pad(x, move.dim, largest_block(move.size, n, move.unit))
-        return _C10D.all_gather_into_tensor(x.contiguous(), n, comm.name)
+        return _ops(comm).all_gather_into_tensor(x.contiguous(), n, comm.name)
     if kind is StepKind.REDUCE_SCATTER:
         if _short(move.size, n, move.unit):
             x = _pad(x, move.dim, n * largest_block(move.size, n, move.unit))
-        return _C10D.reduce_scatter_tensor(x.movedim(move.dim, 0).contiguous(), "sum", n, comm.name)
+        return _ops(comm).reduce_scatter_tensor(x.movedim(move.dim, 0).contiguous(), "sum", n, comm.name)
     if kind is StepKind.ALL_TO_ALL:  # send chunk i of to_dim to rank i
         if _short(move.size, n, move.unit):
             x = _pad(x, move.dim, largest_block(move.size, n, move.unit))
@@ -119,7 +162,7 @@ def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
             x = _pad(x, move.to_dim, n * largest_block(move.to_size, n, move.to_unit))
         moved = x.movedim(move.to_dim, 0).contiguous()
         splits = [moved.shape[0] // n] * n
-        return _C10D.all_to_all_single(moved, splits, splits, comm.name)
+        return _ops(comm).all_to_all_single(moved, splits, splits, comm.name)
     raise ValueError(f"unknown move {kind!r}")
 
 
@@ -129,7 +172,7 @@ def launch_sum_in_place(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     finished, need not pay that copy); `finish(Move(ALL_REDUCE), ...)` completes it."""
     if comm.size == 1:
         return x
-    return _C10D.all_reduce_(x, "sum", comm.name)
+    return _ops(comm).all_reduce_(x, "sum", comm.name)
 
 
 def finish(move: Move, started: torch.Tensor, comm: AxisComm) -> torch.Tensor:
@@ -137,7 +180,7 @@ def finish(move: Move, started: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     n, kind = comm.size, move.kind
     if n == 1 or not kind.communicates:
         return started
-    y = _C10D.wait_tensor(started)
+    y = _ops(comm).wait_tensor(started)
     if kind is StepKind.ALL_REDUCE:
         return y / n if move.reduce == "avg" else y
     out = _laid_out(move, y, n)

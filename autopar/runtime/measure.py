@@ -3,9 +3,12 @@
 1. compute: every distinct (op, local shapes) the candidate strategies would run is
    timed here (CUDA events on a GPU, a monotonic clock on a CPU), forward and, for a
    training plan, backward;
-2. contention: on a CPU host, how much slower ranks run when they share cores, and what
+2. the program: a planned rank program run alone, its collectives standing in, against
+   the sum of its ops' timings (Profile.program_factor: ops run slower inside a program
+   than alone);
+3. contention: on a CPU host, how much slower ranks run when they share cores, and what
    each collective costs them in waiting for one another;
-3. links: each collective timed along each mesh axis on this rank's own group of that
+4. links: each collective timed along each mesh axis on this rank's own group of that
    axis (so on two nodes the axis inside a node and the axis across them get their own
    figures), fitted to alpha + bytes * beta and tagged with the axis's link kind.
 The results go into a Profile (cost_models/profile.py), cached in one JSON file per
@@ -18,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -30,11 +34,16 @@ from autopar.core.kinds import StepKind
 from autopar.core.links import LinkKind
 from autopar.core.mesh import Mesh
 from autopar.core.placement import TensorMeta
-from autopar.cost_models.profile import COLLECTIVES, Profile, compute_key, fit_alpha_beta
+from autopar.core.kinds import NodeKind
+from autopar.core.plan import Plan
+from autopar.cost_models.profile import COLLECTIVES, Profile, compute_key, fit_alpha_beta, program_key
+from autopar.passes.emit import emit, local_inputs
+from autopar.passes.program import bind
 from autopar.passes.rewrite import localize_call
+from autopar.passes.trace import TracedGraph
 from autopar.passes.rules import TensorArg
 from autopar.passes.strategies import AnnotatedGraph
-from autopar.runtime.collectives import AxisComm, all_gather, all_reduce, all_to_all, reduce_scatter
+from autopar.runtime.collectives import AxisComm, all_gather, all_reduce, all_to_all, reduce_scatter, step_runner
 
 
 # ---- 1. compute profiling --------------------------------------------------------
@@ -168,10 +177,77 @@ def _time_backward(s: OpSample, device: torch.device, call_s: float = 0.0) -> fl
     return max(seconds - call_s, 0.0)
 
 
-def measure_contention(device: torch.device, group=None) -> float:
+# ---- 2. a planned program as a whole -----------------------------------------------
+
+def program_alone(traced: TracedGraph, plan: Plan, device: torch.device, state: dict[str, torch.Tensor],
+                  user: list[torch.Tensor], training: bool) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """`plan`'s program for mesh coordinate 0 (the largest blocks), runnable on this rank
+    alone: its collectives are stand-ins of the right shapes (collectives.StandInCollectives),
+    its gradient syncs left out as at run time (the buckets reduce them). Returns the
+    program, its inputs (this coordinate's blocks of `state`, the whole model's parameters
+    and buffers by state-dict name, and of `user`, the user's tensor leaves) and, in
+    training, the parameter blocks among them that require grad."""
+    coords = (0,) * len(plan.mesh.shape)
+    program = emit(traced, plan, coords, device, defer_grad_sync=True, inflight_cap_bytes=None)
+    bind(program.gm, step_runner(tuple(AxisComm.standing_in(n) for n in plan.mesh.shape), overlap=False))
+    whole = {k: v.detach() for k, v in state.items()}
+    inputs = [t.to(device) for t in local_inputs(program, whole, traced.constants, user, plan.mesh.shape,
+                                                 state_is_local=False)]
+    if training:
+        inputs = [t.detach().requires_grad_() if gi.kind is NodeKind.PARAMETER and t.is_floating_point() else t
+                  for gi, t in zip(program.inputs, inputs)]
+    return program.gm, inputs, [t for t in inputs if t.requires_grad]
+
+
+def time_program(traced: TracedGraph, plan: Plan, device: torch.device, state: dict[str, torch.Tensor],
+                 user: list[torch.Tensor], training: bool) -> float:
+    """Median seconds of one step of program_alone: forward, and in training backward to
+    the parameters from the loss (the first scalar output; else every floating output)."""
+    gm, inputs, leaves = program_alone(traced, plan, device, state, user, training)
+
+    def step() -> None:
+        with torch.set_grad_enabled(bool(leaves)):
+            outs = [o for o in _compat.tree_flatten(gm(*inputs))[0] if isinstance(o, torch.Tensor)]
+        roots = [o for o in outs if o.requires_grad]
+        scalars = [o for o in roots if o.dim() == 0]
+        roots = scalars[:1] or roots
+        if roots:
+            torch.autograd.grad(roots, leaves, [torch.ones_like(r) for r in roots], allow_unused=True)
+    return time_call(step, device, warmup=1, repeats=3)
+
+
+def calibrate_program(traced: TracedGraph, plan: Plan, profile: Profile, device: torch.device,
+                      state: dict[str, torch.Tensor], user: list[torch.Tensor], training: bool,
+                      budget_s: float = 120.0) -> bool:
+    """Profile.program_factor for this graph, mesh and mode where the profile lacks it:
+    `plan`'s program timed alone (time_program) over what its ops' timings add up to.
+    `plan` must have been priced without a factor. True when it measured one (the caller
+    plans again to use it); a program that cannot run alone, or whose four timed steps
+    would take over `budget_s` (the other ranks wait), keeps its ops' timings."""
+    key = program_key(traced.fingerprint, plan.mesh.shape, training)
+    ops_s = plan.compute_s / profile.cpu_contention  # the plan's compute, at the timings' own speed
+    if key in profile.program_factor or ops_s <= 0 or 4 * ops_s > budget_s:
+        return False
+    try:
+        measured = time_program(traced, plan, device, state, user, training)
+    except Exception as e:  # noqa: BLE001 - the op timings stand, as where an op cannot replay alone
+        warnings.warn(f"autopar: the planned program of {traced.model_name} could not be timed alone "
+                      f"({type(e).__name__}: {e}); its ops are priced at their own timings")
+        return False
+    profile.program_factor[key] = measured / ops_s
+    return True
+
+
+# ---- 3. contention -------------------------------------------------------------------
+
+def measure_contention(device: torch.device, group=None, repeats: int = 7, rounds: int = 3) -> float:
     """How much slower a fixed mix of small and large ops runs when every rank of this
     host runs it at once than when rank 0 runs it alone (every rank must call this).
-    On a CPU host with more ranks than cores this is the compute term's correction."""
+    On a CPU host with more ranks than cores this is the compute term's correction.
+    Together is timed as throughput, barrier to barrier, while every rank runs the mix
+    `repeats` times (the median of `rounds`): each rank timing its own repeats, as this
+    did before, let ranks that finished first hand the cores to the rest, and read
+    anywhere from 3.9 to 5.3 for 8 ranks on 2 cores; this reads 4.5-4.7 with rare 5.4."""
     a, b = torch.randn(128, 128, device=device), torch.randn(256, 256, device=device)
 
     def work():
@@ -183,11 +259,18 @@ def measure_contention(device: torch.device, group=None) -> float:
     alone = torch.zeros(1, dtype=torch.float64)
     dist.barrier(group=group)
     if dist.get_rank() == 0:
-        alone[0] = time_call(work, device, warmup=2, repeats=7)
+        alone[0] = time_call(work, device, warmup=2, repeats=2 * repeats + 1)
     dist.broadcast(alone, src=0, group=group)
-    dist.barrier(group=group)
-    together = torch.tensor([time_call(work, device, warmup=2, repeats=7)], dtype=torch.float64)
-    dist.all_reduce(together, op=dist.ReduceOp.MAX, group=group)
+    samples = []
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        dist.barrier(group=group)
+        samples.append((time.perf_counter() - t0) / repeats)
+    together = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(together, op=dist.ReduceOp.MAX, group=group)  # every rank the same figure
     return max(1.0, float(together[0] / alone[0]))
 
 
@@ -227,7 +310,7 @@ def measure_sync_s(device: torch.device, group=None, segments: int = 12, rounds:
     return max(0.0, float(t[0]) / dist.get_world_size(group))
 
 
-# ---- 3. communication calibration ------------------------------------------------
+# ---- 4. communication calibration ------------------------------------------------
 
 def calibrate(comms: tuple[AxisComm, ...], device: torch.device, sizes: Optional[list[int]] = None, repeats: int = 5,
               kinds: Optional[tuple[LinkKind, ...]] = None) -> dict:
@@ -261,7 +344,7 @@ def calibrate(comms: tuple[AxisComm, ...], device: torch.device, sizes: Optional
     return out
 
 
-# ---- 4. the cached profile of this machine ------------------------------------------
+# ---- 5. the cached profile of this machine ------------------------------------------
 
 def default_profile_path(device: torch.device) -> str:
     """~/.cache/autopar/profile-<device name>-torch<version>.json"""

@@ -44,7 +44,8 @@ from autopar.runtime.collectives import step_runner
 from autopar.runtime.compiling import compiled_program
 from autopar.runtime.dynamic_programs import DynamicPrograms, PlannedSignature
 from autopar.runtime.groups import MeshGroups, mesh_groups
-from autopar.runtime.measure import default_profile_path, profile_compute, profile_for_mesh, samples_of, save_profile
+from autopar.runtime.measure import (calibrate_program, default_profile_path, profile_compute, profile_for_mesh,
+                                     samples_of, save_profile)
 from autopar.runtime.planner import agreed_plan
 from autopar.runtime.shipping import shared_trace
 from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers
@@ -194,7 +195,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         traced, problem = shared_trace(self.source_model, args, kwargs, self.options.param_dtype, self.device,
                                        dynamic_shapes, self.group)
         profile = self._profile() if self._given is None and problem is None else None
-        plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile), self._given, self._given_source,
+        user = flatten_inputs(args, kwargs)[0] if dynamic_shapes is None else None  # to time the program
+        plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile, user), self._given, self._given_source,
                             self.group)
         opts = self.options
         program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True,
@@ -222,21 +224,30 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     def _profile_path(self) -> str:
         return self.options.profile_path or default_profile_path(self.device)
 
-    def _solve(self, traced: TracedGraph, profile) -> Plan:
+    def _solve(self, traced: TracedGraph, profile, user: Optional[list[torch.Tensor]] = None) -> Plan:
         """Rank 0's solve; with a profile, the ops the strategies would run are timed first."""
         self.solve_count += 1
         if self.local_buffers is not None:
             return plan_local_buffers(traced, self.mesh, self.options, self._pinned, self.local_buffers,
                                       lambda graph: self._solve_graph(graph, profile))
-        return self._solve_graph(annotate(traced, self.mesh, self._pinned, self.options.discover_rules), profile)
+        return self._solve_graph(annotate(traced, self.mesh, self._pinned, self.options.discover_rules), profile, user)
 
-    def _solve_graph(self, graph: AnnotatedGraph, profile) -> Plan:
-        if profile is not None:
-            training = graph.traced.training if self.options.training is None else self.options.training
-            profile_compute(samples_of(graph, self.mesh.shape), profile, self.device, self.options.profile_budget_s,
-                            backward=training)
-            save_profile(profile, self._profile_path())
-        return plan_annotated(graph, self.options, profile)
+    def _solve_graph(self, graph: AnnotatedGraph, profile, user: Optional[list[torch.Tensor]] = None) -> Plan:
+        """With a profile: the strategies' ops timed first, and the first plan's program
+        timed whole (with `user`, the inputs, on a model with weights), then planned
+        again with what that says of ops inside a program (Profile.program_factor)."""
+        if profile is None:
+            return plan_annotated(graph, self.options, profile)
+        training = graph.traced.training if self.options.training is None else self.options.training
+        profile_compute(samples_of(graph, self.mesh.shape), profile, self.device, self.options.profile_budget_s,
+                        backward=training)
+        plan = plan_annotated(graph, self.options, profile)
+        if user is not None and not self.on_meta and calibrate_program(
+                graph.traced, plan, profile, self.device, whole_state(self.source_model), user, training,
+                self.options.profile_budget_s):
+            plan = plan_annotated(graph, self.options, profile)
+        save_profile(profile, self._profile_path())
+        return plan
 
     def _compiled_for_local(self, tensors: list[torch.Tensor], spec: Any, consts: tuple) -> Compiled:
         if self.dynamic is not None:
@@ -304,3 +315,8 @@ def _check_devices(tensors: list[torch.Tensor], device: torch.device) -> None:
         if t.device != device:
             raise InputMismatchError(f"input tensor #{i} (shape {tuple(t.shape)}) is on {t.device} but the model "
                                      f"is on {device}; move inputs to the model's device")
+
+
+def whole_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by every state-dict name (tied ones under each)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
