@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
             except Exception:  # noqa: BLE001 - reported to the parent test with the traceback
                 results.append({"error": traceback.format_exc()})
                 break
-            unwaited = _unwaited_collectives()
+            unwaited = unwaited_collectives()
             if unwaited:  # its output may be freed while gloo still writes it
                 results.append({"error": f"{fn.__name__} left {unwaited} collectives launched and never waited"})
                 break
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
     os._exit(0)
 
 
-def _unwaited_collectives() -> int:
+def unwaited_collectives() -> int:
     """Functional collectives this rank launched and never waited on (torch's work
     registry; 0 where this torch does not expose it)."""
     size = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)

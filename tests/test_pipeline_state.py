@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autopar
+from tests.harness import unwaited_collectives
 from tests.models import build, inputs
 
 STEPS, SAVED_AT, LR = 4, 2, 1e-3
@@ -58,7 +59,7 @@ def state_case(rank: int, world: int, root: str) -> dict:
         ref_opt.step()
     pipe, opt = _pipe(copy.deepcopy(model))
     _train(pipe, opt, batches, root)
-    unwaited = torch._C._distributed_c10d._get_work_registry_size()  # collectives launched and never waited
+    unwaited = unwaited_collectives()
     piped = pipe.full_state_dict()
     pipe.load_full_state_dict(ref.state_dict())
     other, other_opt = _pipe(copy.deepcopy(model), schedule="gpipe")

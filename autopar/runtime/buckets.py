@@ -15,8 +15,8 @@ their gradients instead.
    bucket's own, and no hook writes it again before `finish`), while backward goes on.
 3. One callback at the end of backward waits for every bucket, reduces over any further
    axes, empties the bucket for the next backward (a pipeline runs several backwards
-   between two forwards' arming), and writes each gradient: .grad = reduced, or, where .grad held an earlier
-   backward's (already reduced) gradient, .grad += reduced. Every replica adds the same
+   between two forwards' arming), and writes each gradient: .grad = reduced, or, where
+   .grad held an earlier backward's (already reduced) gradient, .grad += reduced. Every replica adds the same
    two numbers, so replicas stay bit-equal under gradient accumulation (adding this
    rank's own part and then `reduced - own` rounded differently on each rank), and
    nothing is copied before a forward.

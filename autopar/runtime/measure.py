@@ -30,11 +30,10 @@ import torch.distributed as dist
 
 from autopar import _compat
 from autopar.core.files import read_json, write_json_atomic
-from autopar.core.kinds import StepKind
+from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.links import LinkKind
 from autopar.core.mesh import Mesh
 from autopar.core.placement import TensorMeta
-from autopar.core.kinds import NodeKind
 from autopar.core.plan import Plan
 from autopar.cost_models.profile import COLLECTIVES, Profile, compute_key, fit_alpha_beta, program_key
 from autopar.passes.emit import emit, local_inputs

@@ -48,7 +48,7 @@ from autopar.runtime.measure import (calibrate_program, default_profile_path, pr
                                      samples_of, save_profile)
 from autopar.runtime.planner import agreed_plan
 from autopar.runtime.shipping import shared_trace
-from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers
+from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers, whole_state
 from autopar.runtime.state import ShardedStateMethods
 
 
@@ -315,8 +315,3 @@ def _check_devices(tensors: list[torch.Tensor], device: torch.device) -> None:
         if t.device != device:
             raise InputMismatchError(f"input tensor #{i} (shape {tuple(t.shape)}) is on {t.device} but the model "
                                      f"is on {device}; move inputs to the model's device")
-
-
-def whole_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers by every state-dict name (tied ones under each)."""
-    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}

@@ -37,6 +37,11 @@ def tied_groups(names: Iterable[str], tensor_of: Callable[[str], Any]) -> list[l
     return list(groups.values())
 
 
+def whole_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by every state-dict name (tied ones under each)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
 def empty_shards(model: nn.Module, device: torch.device,
                  on_grad: Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """A module tree mirroring the model's state-dict names, with empty parameters and
@@ -44,8 +49,7 @@ def empty_shards(model: nn.Module, device: torch.device,
     gradient hook calls on_grad(parameter, this backward's gradient) before autograd
     accumulates it (the gradient buckets listen there); the hook holds the parameter
     weakly, so no reference cycle outlives the module."""
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
+    named = whole_state(model)
     root, by_name = nn.Module(), {}
     for group in tied_groups(named, named.__getitem__):
         full = named[group[0]]
