@@ -66,3 +66,16 @@ def fake_mode() -> Any:
     (passes/saved.py runs a graph on them to see what autograd saves)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def rename_nodes(graph: Any, candidates: dict) -> None:
+    """Rename `graph`'s FX nodes in graph order, each from its candidate in `candidates`
+    (node -> str; its own name where absent), through a namespace rebuilt for the graph
+    (FX's private torch.fx.graph._Namespace), which numbers repeats (`linear`, `linear_1`)
+    and avoids builtins (`sum` -> `sum_1`) as FX's tracer does."""
+    from torch.fx.graph import _Namespace
+
+    namespace = _Namespace()
+    for node in graph.nodes:
+        node.name = namespace.create_name(candidates.get(node, node.name), node)
+    graph._graph_namespace = namespace

@@ -135,13 +135,16 @@ def _positions(graph: AnnotatedGraph) -> tuple[str, dict[str, int]]:
                             "without pipeline_axis")
     container = min(counts, key=lambda c: (-len(counts[c]), c))
     order = {index: rank for rank, index in enumerate(sorted(counts[container]))}
-    inside = [i for i, n in enumerate(graph.nodes) if block_of.get(n.name, ("", 0))[0] == container]
+    inside = [i for i, n in enumerate(graph.nodes)
+              if not n.kind.is_input and block_of.get(n.name, ("", 0))[0] == container]
     first, last, blocks = inside[0], inside[-1], len(order)
     position, current = {}, -1
     for i, n in enumerate(graph.nodes):
         key = block_of.get(n.name)
         if key is not None and key[0] == container:
-            current = position[n.name] = order[key[1]]
+            position[n.name] = order[key[1]]
+            if not n.kind.is_input:  # a block's parameters come first, before any op
+                current = position[n.name]
         elif n.kind.is_input:  # graph inputs come first; a parameter lives with its reader
             position[n.name] = -1
         else:  # nodes between blocks go with the block before them

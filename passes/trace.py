@@ -15,7 +15,7 @@
    stores each rank's block of it after the call. Training batch norms become the ops
    of their definition, so a batch split synchronises statistics (SyncBatchNorm).
 
-Steps 1-3 are export_program, step 4 traced_program; program_bytes and load_program
+Steps 1-3 are export_program, steps 4-5 traced_program; program_bytes and load_program
 carry a program from one process to another between the two (runtime/shipping.py: one
 rank traces, every rank plans the same graph).
 """
@@ -40,6 +40,7 @@ from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
 from autopar.passes.dynamic import SymbolicDim, specialised_error, symbolic_dims
 from autopar.passes.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
+from autopar.passes.canonical import canonicalise
 from autopar.passes.custom_grad import backward_differs, custom_functions_applied
 from autopar.passes.higher_order import inline_grad_regions
 
@@ -225,7 +226,7 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
 
 
 def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> TracedGraph:
-    """Step 4: the TracedGraph of `export_program(model, args, kwargs)`'s program `ep`
+    """Steps 4-5: the TracedGraph of `export_program(model, args, kwargs)`'s program `ep`
     (from this process or, through load_program, from another rank). Renames `ep`'s
     placeholders in place, so serialise it (program_bytes) before this."""
     kwargs = dict(kwargs or {})
@@ -238,6 +239,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     updates = _buffer_updates(ep, inputs, name)
     sync_batch_norms(ep.graph_module)
     inputs = _rename_placeholders(ep.graph_module, inputs)
+    canonicalise(ep.graph_module)
     renamed = {gi.target: gi.name for gi in inputs if gi.kind is NodeKind.BUFFER}
     return TracedGraph(
         gm=ep.graph_module,

@@ -30,18 +30,25 @@ NAMES = ("q", "k", "v", "gate", "up", "down")
 
 class PerProcessOrder(nn.Module):
     """Runs its branches in an order the process decides (`order`), then concatenates
-    them by name: the value is the same in every process, the traced op order is not."""
+    them by name (`sum=False`: the value and the wiring are the same in every process,
+    the traced op order is not) or adds them up in that order (`sum=True`: the wiring
+    differs too, the value only by rounding)."""
 
-    def __init__(self, order) -> None:
+    def __init__(self, order, sum: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.order = order
+        self.order, self.sum = order, sum
         self.branches = nn.ModuleDict({n: nn.Linear(16, 8) for n in NAMES})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = {}
         for name in self.order():
             outs[name] = torch.relu(self.branches[name](x))
+        if self.sum:
+            total = outs.pop(next(iter(outs)))
+            for y in outs.values():
+                total = total + y
+            return total
         return torch.cat([outs[n] for n in NAMES], dim=-1)
 
 
@@ -66,8 +73,8 @@ def _caught(fn) -> dict:
 
 # ---- cases run on every gloo rank (module level: the spawned ranks import them) ----------
 
-def rank_ordered_model(rank: int, world: int) -> dict:
-    model = PerProcessOrder(_rotated_by_rank).eval()
+def rank_ordered_model(rank: int, world: int, sum: bool = False) -> dict:
+    model = PerProcessOrder(_rotated_by_rank, sum).eval()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -94,12 +101,15 @@ def rank0_cannot_trace(rank: int, world: int) -> dict:
 
 
 def test_rank0_traces_and_the_other_ranks_rebuild_its_graph():
-    results = run_ranks(2, [(rank_ordered_model, {}), (other_inputs_on_one_rank, {}), (rank0_cannot_trace, {})])
-    (ordered0, other0, fail0), (ordered1, other1, fail1) = results
-    # 1. the ranks' own traces differ, yet both run rank 0's graph and match one device
-    assert ordered0["own"] != ordered1["own"], "the model must trace differently on each rank"
-    assert ordered0["fingerprint"] == ordered1["fingerprint"] == ordered0["own"]
-    for res in (ordered0, ordered1):
+    results = run_ranks(2, [(rank_ordered_model, {}), (rank_ordered_model, {"sum": True}),
+                            (other_inputs_on_one_rank, {}), (rank0_cannot_trace, {})])
+    (ordered0, summed0, other0, fail0), (ordered1, summed1, other1, fail1) = results
+    # 1. ops recorded in another order on each rank: the canonical form is one graph
+    assert ordered0["own"] == ordered1["own"] == ordered0["fingerprint"] == ordered1["fingerprint"]
+    # ... and where the wiring itself differs by rank, both run rank 0's graph
+    assert summed0["own"] != summed1["own"], "the model must trace differently on each rank"
+    assert summed0["fingerprint"] == summed1["fingerprint"] == summed0["own"]
+    for res in (ordered0, ordered1, summed0, summed1):
         torch.testing.assert_close(res["out"], res["want"])
     # 2. rank 1's other input shape: one error type on every rank, naming rank and input
     for res in (other0, other1):

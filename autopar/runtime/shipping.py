@@ -20,11 +20,14 @@ serialising takes ~0.3 s on rank 0 and loading ~0.25 s on the others (464 KiB se
 3. Every other rank compares the signature of its own inputs with rank 0's (a
    difference is a FingerprintMismatchError naming the rank and the input), loads the
    program, reads its signature (step 4 is a pure function of the program) and checks
-   that the fingerprint is rank 0's.
+   that the fingerprint is rank 0's. Where it is not (torch's serialiser wrote some op
+   differently), the rank traces the model itself: traces are in canonical form
+   (passes/canonical.py), so its own trace is rank 0's graph unless the model's
+   Python builds a different graph in each process, which is then the error.
 Problems are returned, not raised: planner.agreed_plan raises them on every rank, so
-no rank is left waiting in a collective. Where torch's serialiser does not cover rank
-0's program, every rank traces for itself (as before this module), and the plan's
-fingerprint check still refuses graphs that differ.
+no rank is left waiting in a collective. Where torch's serialiser cannot write rank
+0's program at all, every rank traces for itself, and the plan's fingerprint check
+still refuses graphs that differ.
 """
 
 from __future__ import annotations
@@ -117,10 +120,18 @@ def _rebuilt(shipment: Shipment, model: nn.Module, args: tuple, kwargs: dict, pa
     if shipment.program is None:
         return trace(model, args, kwargs, param_dtype, dynamic_shapes)
     traced = traced_program(load_program(shipment.program, device), model, args, kwargs)
+    if traced.fingerprint == shipment.fingerprint:
+        return traced
+    # torch's serialiser changed the program on its way (an op it writes differently):
+    # this rank's own trace, in canonical form, is rank 0's graph for any model whose
+    # graph does not depend on the process
+    traced = trace(model, args, kwargs, param_dtype, dynamic_shapes)
     if traced.fingerprint != shipment.fingerprint:
         raise FingerprintMismatchError(
-            f"rank {rank} rebuilt rank 0's traced program of {traced.model_name} as graph {traced.fingerprint}, "
-            f"but rank 0 traced {shipment.fingerprint}: torch's serialiser did not round-trip it",
+            f"rank {rank} traced {traced.model_name} as graph {traced.fingerprint} (and rebuilt rank 0's program "
+            f"as another), but rank 0 traced {shipment.fingerprint}: the model builds a different graph in each "
+            "process (its Python depends on something besides its inputs, such as a random draw, the time or the "
+            "process id); make its forward depend only on its inputs and state",
             expected=shipment.fingerprint, found=traced.fingerprint)
     return traced
 
