@@ -534,3 +534,26 @@ def trace_forms(rank: int, world: int, mesh: tuple) -> dict:
         loss_of(got).backward()
         out[name] = {"output": (got.detach(), want.detach()), "grads": _grad_pairs(pm, ref_grads, rank)}
     return out
+
+
+def inputs_differ_later(rank: int, world: int, call: int = 3, timeout_s: float = 120.0) -> dict:
+    """Every rank passes the same inputs until call `call`, where rank 1 passes a shorter
+    batch (an uneven last batch): every rank must raise InputMismatchError at once, not
+    wait out the collective timeout. Then the same call with the same inputs runs."""
+    import time
+    m = models.build("mlp")
+    pm = autopar.compile(m, mesh=(world,), device=CHEAP_COMM, collective_timeout_s=timeout_s)
+    full = torch.randn(4, 16)
+    for _ in range(call - 1):
+        pm(full).sum().backward()
+    t0 = time.monotonic()
+    try:
+        pm(full[:3] if rank == 1 else full)
+    except autopar.AutoparError as e:
+        caught = (type(e).__name__, str(e))
+    else:
+        caught = None
+    seconds = time.monotonic() - t0
+    with torch.no_grad():
+        after = (pm(full), m(full))
+    return {"caught": caught, "seconds": seconds, "after": after, "plans": len(pm.programs)}

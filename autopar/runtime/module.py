@@ -8,7 +8,8 @@ for every new input signature (shapes, dtypes, non-tensor values); later plans k
 the parameter layouts of the first, so the shards stay valid across signatures.
 
 A coordinator over small parts: groups.py (process groups per mesh axis), shipping.py
-(rank 0 traces, the others rebuild its graph), planner.py (rank 0 plans, every rank
+(rank 0 traces, the others rebuild its graph), call_agreement.py (every call's inputs
+the same on every rank before any collective), planner.py (rank 0 plans, every rank
 agrees), shards.py (this rank's parameters), measure.py (the profiling cost model),
 buckets.py (data-parallel gradient all-reduce), state.py (clipping, state dicts,
 checkpoints) and passes/emit.py (the program, its inputs, and the blocks of the
@@ -40,14 +41,15 @@ from autopar.passes.program import bind
 from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
+from autopar.runtime.call_agreement import CallSignature, agree_on_call
 from autopar.runtime.collectives import step_runner
 from autopar.runtime.compiling import compiled_program
 from autopar.runtime.dynamic_programs import DynamicPrograms, PlannedSignature
 from autopar.runtime.groups import MeshGroups, mesh_groups
 from autopar.runtime.measure import (calibrate_program, default_profile_path, profile_compute, profile_for_mesh,
                                      samples_of, save_profile)
-from autopar.runtime.planner import agreed_plan
-from autopar.runtime.shipping import shared_trace
+from autopar.runtime.planner import agreed_plan, attempt
+from autopar.runtime.shipping import Inputs, shared_trace
 from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers, whole_state
 from autopar.runtime.state import ShardedStateMethods
 
@@ -92,6 +94,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         super().train(model.training)  # pm.training says what the model is traced in
         self.trace_count = 0  # traces this rank took part in (rank 0 traces, the others load its graph)
         self.solve_count = 0  # ILP solves this rank ran (rank 0 solves for every rank)
+        self.calls = 0  # forward calls, numbered in the error when the ranks' inputs differ
 
     def train(self, mode: bool = True) -> "ParallelModule":
         """Training or evaluation mode, for this module and the model it runs: a mode
@@ -130,9 +133,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         local_inputs=True each rank passes only its own block of every input (as
         `input_specs` / `shard_inputs` describe). Local inputs need an existing plan."""
         tensors, spec, consts = flatten_inputs(args, kwargs)
-        _check_devices(tensors, self.device)
-        compiled = (self._compiled_for_local(tensors, spec, consts) if local_inputs
-                    else self._compiled(args, kwargs))
+        compiled = self._agreed_call(args, kwargs, tensors, spec, consts, local_inputs)
         if not self.loaded:
             raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
                                "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
@@ -162,6 +163,25 @@ class ParallelModule(ShardedStateMethods, nn.Module):
                                        for x in leaves], tree)
 
     # ---- parts ----------------------------------------------------------------------
+    def _agreed_call(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], spec: Any, consts: tuple,
+                     local_inputs: bool) -> Compiled:
+        """This call's program, once every rank has shown the same inputs (call_agreement):
+        a rank whose inputs are refused here shows its error instead, so every rank stops."""
+        self.calls += 1
+        problem = attempt(lambda: _check_devices(tensors, self.device))[1]
+        compiled = None
+        if local_inputs and problem is None:  # blocks differ by rank: agree on the program they feed
+            compiled, problem = attempt(lambda: self._compiled_for_local(tensors, spec, consts))
+        if problem is not None:
+            inputs: Any = f"inputs refused here ({type(problem).__name__}: {problem})"
+        else:
+            inputs = ("local inputs of", compiled.traced.fingerprint) if local_inputs else Inputs.of(args, kwargs)
+        signature = CallSignature(inputs, self.source_model.training, torch.is_grad_enabled())
+        agree_on_call(signature, self.calls, self.device, self.group)
+        if problem is not None:
+            raise problem
+        return compiled if local_inputs else self._compiled(args, kwargs)
+
     def _require_current(self) -> Compiled:
         if self.current is None:
             raise RuntimeError("no plan yet: the module is planned at its first call (or pass example inputs "

@@ -1,0 +1,26 @@
+"""Every call's inputs agreed between ranks: ranks that disagree at a later call raise at
+once on every rank, naming each rank's shapes, instead of hanging in a collective."""
+
+from __future__ import annotations
+
+import torch
+
+from tests import cases
+from tests.harness import run_ranks
+
+
+def test_ranks_passing_other_shapes_at_the_third_call_raise_on_every_rank_within_seconds():
+    results = run_ranks(2, [(cases.inputs_differ_later, dict(call=3))])
+    for rank, (res,) in enumerate(results):
+        assert res["caught"] is not None, f"rank {rank} ran the mismatched call"
+        kind, message = res["caught"]
+        assert kind == "InputMismatchError", (rank, kind, message)
+        assert "call 3" in message and "rank 0: args[0] [4, 16] float32" in message, message
+        assert "rank 1: args[0] [3, 16] float32" in message, message
+        assert "drop_last=True" in message, message
+        # the collective timeout is 120 s: this is the agreement, not a timeout
+        assert res["seconds"] < 30, (rank, res["seconds"])
+        # the group stays usable: the next call with the same inputs runs and matches
+        parallel, reference = res["after"]
+        torch.testing.assert_close(parallel, reference)
+        assert res["plans"] == 1  # the refused call planned nothing
