@@ -13,6 +13,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from autopar.core.errors import OptionsError
 from autopar.core.links import Link, LinkKind  # noqa: F401 - Link is re-exported (it was defined here)
 from autopar.core.mesh import Mesh
 
@@ -78,4 +79,5 @@ def preset(name: str) -> DeviceSpec:
     try:
         return PRESETS[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown device preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        raise OptionsError(f"unknown device preset {name!r} (Options.device); choose one of {sorted(PRESETS)}, "
+                           "or pass a cost_models.devices.DeviceSpec") from None

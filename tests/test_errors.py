@@ -62,11 +62,24 @@ def test_op_without_hand_rule_gets_discovered_rules():
     assert "sharded by discovered rules" in plan.summary()
 
 
-@pytest.mark.parametrize("mesh", [(0, 2), (2, -1), (), "2x4", (2.0, 2)])
+@pytest.mark.parametrize("mesh", [(0, 2), (2, -1), (), "2xfour", "x", "0x4", (2.0, 2)])
 def test_malformed_mesh_is_refused(mesh):
     with pytest.raises(autopar.MeshError) as err:
         autopar.plan(MLP().eval(), (torch.randn(4, 16),), mesh=mesh)
     assert "mesh" in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["2x4", "2,4", "(2, 4)", " 2 x 4 "])
+def test_a_mesh_written_as_text_is_parsed(text):
+    from autopar.core.mesh import Mesh
+    assert Mesh.of(text) == Mesh((2, 4))
+
+
+def test_a_mesh_text_that_is_no_shape_says_how_to_write_one():
+    from autopar.core.mesh import Mesh
+    with pytest.raises(autopar.MeshError) as err:
+        Mesh.of("2xfour")
+    assert "'2x4'" in str(err.value) and "(2, 4)" in str(err.value)
 
 
 def test_compile_without_process_group_says_how_to_launch():
@@ -107,7 +120,7 @@ def test_unknown_option_is_a_type_error_naming_it():
 
 
 def test_unknown_device_preset_lists_the_known_ones():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(autopar.OptionsError) as err:
         autopar.plan(MLP().eval(), (torch.randn(4, 16),), mesh=(2,), device="tpu9")
     assert "h100" in str(err.value)
 

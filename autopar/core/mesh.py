@@ -44,6 +44,8 @@ class Mesh:
             return shape
         if isinstance(shape, int) and not isinstance(shape, bool):
             return Mesh((shape,))
+        if isinstance(shape, str):
+            return Mesh(_parsed(shape))
         try:
             return Mesh(tuple(shape))
         except TypeError:
@@ -124,3 +126,13 @@ def check_node_layout(mesh: Mesh, nodes: int, world: int, ranks_on_this_node: "i
                         f"nodes={max(world // max(ranks_on_this_node, 1), 1)} (the launcher's --nnodes), or launch "
                         f"{per_node} ranks per node")
     return per_node
+
+
+def _parsed(text: str) -> tuple[int, ...]:
+    """'2x4', '2,4', '(2, 4)' or '8' as axis sizes; anything else a MeshError."""
+    parts = [p.strip() for p in text.strip().strip("()[]").replace("x", ",").replace("*", ",").split(",")]
+    parts = [p for p in parts if p]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise MeshError(f"mesh {text!r} is not a mesh shape; write its axis sizes as a tuple (2, 4) "
+                        "or as text '2x4' or '2,4'")
+    return tuple(int(p) for p in parts)
