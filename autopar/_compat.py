@@ -79,3 +79,10 @@ def rename_nodes(graph: Any, candidates: dict) -> None:
     for node in graph.nodes:
         node.name = namespace.create_name(candidates.get(node, node.name), node)
     graph._graph_namespace = namespace
+
+
+def data_dependent_error() -> type:
+    """The error torch raises when a size depends on tensor values it does not know
+    (an unbacked symbol such as the row count of `x[x > 0]` or `nonzero`)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    return GuardOnDataDependentSymNode

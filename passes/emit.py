@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
-from autopar.core.errors import FingerprintMismatchError
+from autopar.core.errors import FingerprintMismatchError, PlanFileError
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
@@ -114,3 +114,12 @@ def check_fingerprint(plan: Plan, traced: TracedGraph, source: str) -> None:
             f"{source} was made for {plan.model_name} with graph fingerprint {plan.fingerprint}, but "
             f"{traced.model_name} with these inputs traces to {traced.fingerprint}; re-plan for this model and "
             "these input shapes", expected=plan.fingerprint, found=traced.fingerprint)
+    if plan.pipeline is not None:
+        return
+    planned = {n.name for n in plan.nodes}
+    missing = [n.name for n in traced.gm.graph.nodes if n.name not in planned
+               and (n.op == "output" or isinstance(n.meta.get("val"), torch.Tensor))]
+    if missing:
+        raise PlanFileError(f"{source} has no choice for {len(missing)} nodes of {traced.model_name}'s graph "
+                            f"(first {missing[:3]}), though its fingerprint matches: it was edited or cut short; "
+                            "re-plan, or save the plan again with plan.to_json")

@@ -9,7 +9,8 @@
 3. Functionalise in-place writes to intermediate values and buffers
    (passes/functionalize.py), with the functional copy that a slice write leaves spelled
    in differentiable ops.
-4. Read the graph signature: every placeholder is a parameter, buffer, constant or
+4. Refuse sizes that depend on tensor values (x[mask], nonzero). Read the graph
+   signature: every placeholder is a parameter, buffer, constant or
    user input; refuse graphs that write parameters or inputs. A write to a buffer is an
    extra output (first in the output tuple), recorded as a BufferUpdate: the runtime
    stores each rank's block of it after the call. Training batch norms become the ops
@@ -37,7 +38,7 @@ from torch import fx, nn
 from autopar import _compat
 from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
-from autopar.core.placement import TensorMeta
+from autopar.core.placement import TensorMeta, size_hint
 from autopar.passes.dynamic import SymbolicDim, specialised_error, symbolic_dims
 from autopar.passes.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
 from autopar.passes.canonical import canonicalise
@@ -233,6 +234,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     _, in_spec, consts = flatten_inputs(args, kwargs)
     name = type(model).__name__
     # 4. signature
+    _refuse_value_sized(ep.graph_module, name)
     inputs = _graph_inputs(ep, name)
     users = sorted((gi.target, gi.name) for gi in inputs if gi.kind is NodeKind.USER_INPUT)
     symbolic = symbolic_dims(ep.graph_module, [n for _, n in users], ep.range_constraints)
@@ -347,6 +349,26 @@ def _rename_placeholders(gm: fx.GraphModule, inputs: tuple[GraphInput, ...]) -> 
             node.name = node.target = renamed[node.name]
     gm.recompile()
     return tuple(GraphInput(renamed.get(gi.name, gi.name), gi.kind, gi.target, gi.meta) for gi in inputs)
+
+
+def _refuse_value_sized(gm: fx.GraphModule, model_name: str) -> None:
+    """A TraceError at the first op whose output size depends on tensor values (boolean
+    masking, nonzero, unique) with no size for the planner to price it at: every rank's
+    block of it would have its own size."""
+    unknown = _compat.data_dependent_error()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        try:
+            for size in val.shape:
+                size_hint(size)
+        except unknown:
+            raise TraceError(
+                f"model {model_name}: {describe_node(node)} makes a tensor of shape {tuple(val.shape)} whose size "
+                "depends on tensor values (boolean masking, nonzero, unique), which autopar cannot split or price; "
+                "keep the shape fixed (torch.where(mask, x, 0) instead of x[mask]) or move that op out of the "
+                "model's forward") from None
 
 
 def _buffer_updates(ep: Any, inputs: tuple[GraphInput, ...], model_name: str) -> list[tuple[int, str]]:

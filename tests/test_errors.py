@@ -185,3 +185,52 @@ def test_heads_that_do_not_divide_the_axis_are_never_split():
     plan = autopar.plan(model, (x,), mesh=(1, 4), device=fuzz_models.device_for(spec))
     sdpa = next(n for n in plan.nodes if "scaled_dot_product" in n.op)
     assert autopar.Shard(1) not in sdpa.outputs[0].placements  # 3 heads cannot split 4 ways
+
+
+class ValueSized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y[y > 0].sum()  # the row count depends on y's values
+
+
+def test_a_size_that_depends_on_values_is_a_trace_error_naming_op_and_line():
+    with pytest.raises(autopar.TraceError) as err:
+        autopar.plan(ValueSized(), (torch.randn(4, 8),), mesh=(2,))
+    msg = str(err.value)
+    assert "aten.index.Tensor" in msg and "test_errors.py" in msg and "depends on tensor values" in msg, msg
+    assert "torch.where" in msg
+
+
+def _cut_plan(tmp_path, edit) -> str:
+    import json
+    plan = autopar.plan(MLP().eval(), (torch.randn(4, 16),), mesh=(2,))
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_a_plan_file_cut_short_is_refused_at_load_naming_the_file(tmp_path):
+    path = _cut_plan(tmp_path, lambda d: d.update(nodes=[n for n in d["nodes"] if n["name"] != "output"]))
+    with pytest.raises(autopar.PlanFileError) as err:
+        autopar.Plan.from_json(path)
+    assert path in str(err.value) and "'output'" in str(err.value)
+
+
+def test_a_plan_file_missing_a_node_of_the_graph_is_refused_before_running(tmp_path):
+    from autopar.core.plan import Plan
+    from autopar.passes.emit import check_fingerprint
+    from autopar.passes.trace import trace
+    x = torch.randn(4, 16)
+    path = _cut_plan(tmp_path, lambda d: d.update(
+        nodes=[n for n in d["nodes"] if n["name"] != "relu_1"],
+        edges=[e for e in d["edges"] if "relu_1" not in (e["producer"], e["consumer"])]))
+    with pytest.raises(autopar.PlanFileError) as err:
+        check_fingerprint(Plan.from_json(path), trace(MLP().eval(), (x,)), f"plan file {path}")
+    assert "relu_1" in str(err.value) and path in str(err.value)

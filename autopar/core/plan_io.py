@@ -175,13 +175,22 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
 
 def _consistent(fields: dict, source: str) -> dict:
     """`fields`, after checking that their parts agree: one link per mesh axis (or none:
-    a file written before links were recorded) and recomputed blocks made of plan nodes;
+    a file written before links were recorded), an output node and edges between plan
+    nodes (a plan without a pipeline), and recomputed blocks made of plan nodes;
     else evaluate and emit would fail far from the file (an IndexError on a missing axis)."""
     ndim, links = fields["mesh"].ndim, fields["links"]
     if links and len(links) != ndim:
         raise PlanFileError(f"{source} records {len(links)} links for the {ndim} axes of mesh "
                             f"{fields['mesh'].shape}; 'links' needs one per axis (or none). {REMEDY}")
     names = {n.name for n in fields["nodes"]}
+    if fields["pipeline"] is None and "output" not in names:
+        raise PlanFileError(f"{source} has no node 'output' among its {len(names)} nodes: its node list was cut "
+                            f"short. {REMEDY}")
+    for e in fields["edges"]:
+        lost = [x for x in (e.producer, e.consumer) if x not in names]
+        if lost:
+            raise PlanFileError(f"{source} has an edge {e.producer} -> {e.consumer} from or to node {lost[0]}, "
+                                f"which is not among its nodes. {REMEDY}")
     for block in fields["recompute"]:
         missing = [n for n in block.nodes if n not in names]
         if missing:
