@@ -1,7 +1,7 @@
 """Many short multi-rank torchrun jobs, counted by how each ended.
 
-    python bench/soak.py --minutes 60 [--parallel 2] [--load 0] [--kinds train,pipeline,...]
-                         [--malloc-check] [--destroy] [--keep DIR]
+    python bench/soak.py --minutes 60 [--jobs N] [--parallel 2] [--load 0] [--ranks 2,4]
+                         [--kinds train,pipeline,...] [--malloc-check] [--destroy] [--keep DIR]
 
 Each job is bench/soak_job.py under `torchrun --standalone` (2 to 8 gloo ranks, one
 torch thread each), compared there with one device. A job ends as one of:
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -72,8 +72,8 @@ class Ended:
     log: str
 
 
-def _schedule(kinds: tuple[str, ...]) -> "itertools.count":
-    cycles = {k: itertools.cycle(WORLDS[k]) for k in kinds}
+def _schedule(kinds: tuple[str, ...], ranks: tuple[int, ...] = ()) -> Iterator[Job]:
+    cycles = {k: itertools.cycle(ranks or WORLDS[k]) for k in kinds}
     for n, kind in zip(itertools.count(), itertools.cycle(kinds)):
         yield Job(n, kind, next(cycles[kind]))
 
@@ -124,7 +124,7 @@ def soak(args: argparse.Namespace) -> list[Ended]:
         raise SystemExit(f"soak: unknown kinds {sorted(unknown)}; choose from {sorted(WORLDS)}")
     work = tempfile.mkdtemp(prefix="autopar-soak-")
     deadline = time.monotonic() + args.minutes * 60
-    jobs = _schedule(kinds)
+    jobs = _schedule(kinds, tuple(int(r) for r in args.ranks.split(",")) if args.ranks else ())
     running: list[tuple[Job, subprocess.Popen, str, float]] = []
     ended: list[Ended] = []
     spinners = _load(args.load)
@@ -190,6 +190,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--jobs", type=int, default=None, help="stop after this many jobs")
     parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated, of {sorted(WORLDS)}")
+    parser.add_argument("--ranks", default="", help="comma-separated world sizes every kind cycles through "
+                        "(default: each kind's own, 2 to 8)")
     parser.add_argument("--parallel", type=int, default=2, help="jobs at once")
     parser.add_argument("--load", type=int, default=0, help="busy-looping processes beside the jobs")
     parser.add_argument("--job-timeout", type=float, default=300.0, help="seconds before a job counts as a hang")

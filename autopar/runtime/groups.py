@@ -10,7 +10,8 @@ A mesh may also be a sub-mesh of the world, given by its global ranks in row-maj
 order (a pipeline stage's ranks): stage_groups makes the groups of every stage's
 sub-mesh on every rank, in one order, and keeps this rank's. Groups are cached per (mesh, backend, timeout) on
 the live default group, so compiling model after model in one process (a notebook, a
-sweep, a service) does not pile up process groups.
+sweep, a service) does not pile up process groups. The first group made registers the
+exit hook that takes every group down before the interpreter ends (teardown.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.core.errors import MeshError, ProcessGroupError
 from autopar.core.mesh import Mesh
 from autopar.runtime.collectives import AxisComm
+from autopar.runtime.teardown import take_down_at_exit
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, time
     """Every rank calls this for every mesh; `rank` is this process's place on the mesh,
     -1 when it is not on it (a sub-mesh of another stage): it still takes part in making
     the groups, as torch.distributed requires, but keeps none."""
+    take_down_at_exit(_CACHE.clear)
     glob = ranks or tuple(range(mesh.size))
     timeout = timedelta(seconds=timeout_s)
     whole = dist.new_group(list(glob), backend=backend, timeout=timeout) if ranks else None

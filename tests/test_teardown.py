@@ -1,0 +1,51 @@
+"""A finished job takes its process groups down before the interpreter ends
+(autopar/runtime/teardown.py): two plain gloo processes that compile, train a step and
+return without destroy_process_group exit 0, with every group destroyed by autopar's
+exit hook (checked by an exit handler that runs after it). How often a job aborts at
+exit without the hook is counted by bench/soak.py, not here: one run proves nothing."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import atexit, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+rank, store = int(sys.argv[1]), sys.argv[2]
+# registered before autopar's hook, so it runs after it (atexit runs last-in first-out)
+atexit.register(lambda: print("initialised at exit:", dist.is_initialized(), flush=True))
+import autopar
+from autopar.tools.simulated import CHEAP_COMM
+from tests.models import build
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=120))
+model = build("mlp").train()
+pm = autopar.compile(model, mesh=(2,), device=CHEAP_COMM)
+pm(torch.randn(4, 16)).sum().backward()
+state = pm.full_state_dict()
+print("trained", sorted(state)[:1], flush=True)
+"""
+
+
+def test_a_job_that_never_destroys_its_groups_exits_0_with_them_taken_down():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(rank), f"{tmp}/store"], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+        try:
+            logs = [p.communicate(timeout=300)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-3000:]}"
+        assert "trained" in log and "initialised at exit: False" in log, log[-3000:]
