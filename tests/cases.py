@@ -433,9 +433,10 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
             "same_buffers": [x is not None and x is y for x, y in zip(*buffers)]}
 
 
-def forced_plan(model, args: tuple, mesh: tuple, op: str, keep):
-    """The best plan in which every `op` node runs a strategy `keep(strategy)` accepts: a
-    way to run a strategy the costs would not pick on a tiny model."""
+def forced_plan(model, args: tuple, mesh: tuple, op: str, keep, more: "dict | None" = None):
+    """The best plan in which every `op` node runs a strategy `keep(strategy)` accepts (and
+    every node of each op in `more` one its own test accepts): a way to run a strategy
+    the costs would not pick on a tiny model."""
     from dataclasses import replace
     from autopar.cost_models.model import CostModel
     from autopar.core.mesh import Mesh
@@ -444,7 +445,8 @@ def forced_plan(model, args: tuple, mesh: tuple, op: str, keep):
     from autopar.passes.strategies import annotate
     from autopar.passes.trace import trace
     graph = annotate(trace(model, args), Mesh(mesh))
-    nodes = tuple(replace(n, strategies=tuple(s for s in n.strategies if keep(s))) if n.op == op else n
+    tests = {op: keep, **(more or {})}
+    nodes = tuple(replace(n, strategies=tuple(s for s in n.strategies if tests[n.op](s))) if n.op in tests else n
                   for n in graph.nodes)
     graph = replace(graph, nodes=nodes, by_name={n.name: n for n in nodes})
     return solve(graph, CostModel.analytic("cpu", mesh, model.training), Options())
@@ -557,3 +559,67 @@ def inputs_differ_later(rank: int, world: int, call: int = 3, timeout_s: float =
     with torch.no_grad():
         after = (pm(full), m(full))
     return {"caught": caught, "seconds": seconds, "after": after, "plans": len(pm.programs)}
+
+
+class ComplexRotary(torch.nn.Module):
+    """torchtitan's rotary embedding: pairs of features as complex numbers times a complex
+    table (freqs_cis, complex64), then back to real."""
+
+    def __init__(self, seq: int = 8, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.o = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), torch.rand(width // 2))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        pairs = torch.view_as_complex(q.reshape(*q.shape[:-1], -1, 2))
+        turned = torch.view_as_real(pairs * self.freqs_cis).flatten(-2)
+        return self.o(turned)
+
+
+def complex_resharded(rank: int, world: int) -> dict:
+    """A plan that moves a complex tensor between ranks (the q projection split by columns,
+    the complex product by sequence), on gloo: output and gradients against one device."""
+    import copy
+    m = ComplexRotary().train()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(m)
+    _loss(ref(x)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = forced_plan(m, (x,), (world,), "aten.linear.default",
+                           lambda s: s.outputs[0].placements != (autopar.Shard(1),),
+                           {"aten.mul.Tensor": lambda s: s.inputs[0].placements == (autopar.Shard(1),)})
+        pm = autopar.compile(m, (x,), mesh=(world,), plan=plan)
+    out = pm(x)
+    _loss(out).backward()
+    complex_moves = [s.kind.name for e in plan.edges for s in e.steps
+                     if s.kind.communicates and s.before is not None and s.before.meta.dtype.is_complex]
+    return {"reference": ref(x).detach(), "parallel": out.detach(), "moves": complex_moves,
+            "grads": _grad_pairs(pm, {k: p.grad for k, p in ref.named_parameters()}, rank)}
+
+
+def complex_collectives(rank: int, world: int) -> dict:
+    """Each collective of runtime/collectives.py on complex64 blocks over gloo, with the
+    results one device computes from the whole tensor."""
+    import torch.distributed as dist
+    from autopar.core.kinds import StepKind
+    from autopar.runtime.collectives import AxisComm, Move, move
+    group = dist.group.WORLD
+    comm = AxisComm(group, world, rank, group.group_name)
+    g = torch.Generator().manual_seed(3)
+    whole = torch.complex(torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g))
+    mine = whole.chunk(world, dim=0)[rank]
+    got = {
+        "all_to_all": move(Move(StepKind.ALL_TO_ALL, 0, 1, size=4, to_size=6, complex=True), mine, comm),
+        "all_gather": move(Move(StepKind.ALL_GATHER, 1, size=6, complex=True),
+                           whole.chunk(world, dim=1)[rank].contiguous(), comm),
+        "reduce_scatter": move(Move(StepKind.REDUCE_SCATTER, 1, size=6, complex=True), whole * (rank + 1), comm),
+        "all_reduce": move(Move(StepKind.ALL_REDUCE, complex=True), whole * (rank + 1), comm),
+    }
+    total = whole * sum(range(1, world + 1))
+    want = {"all_to_all": whole.chunk(world, dim=1)[rank], "all_gather": whole,
+            "reduce_scatter": total.chunk(world, dim=1)[rank], "all_reduce": total}
+    return {"got": got, "want": want}

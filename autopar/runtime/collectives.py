@@ -81,6 +81,7 @@ class Move:
     to_size: Optional[int] = None  # global size of `to_dim`
     unit: int = 1  # `dim` is cut between whole groups of `unit` (Shard.unit)
     to_unit: int = 1  # the same for `to_dim`
+    complex: bool = False  # complex values travel as their real view (gloo has no complex dtypes)
 
 
 def _short(size: Optional[int], n: int, unit: int = 1) -> bool:
@@ -145,6 +146,8 @@ def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
         return split_blocks(x, n, move.dim, move.unit)[comm.coord].contiguous()
     if kind is StepKind.TO_PARTIAL:
         return x.clone() if comm.coord == 0 else torch.zeros_like(x)
+    if move.complex:  # a trailing dim of 2 (real, imaginary): every dim the move names stays where it is
+        x = torch.view_as_real(x)
     if kind is StepKind.ALL_REDUCE:
         return _ops(comm).all_reduce(x.contiguous(), "max" if move.reduce == "max" else "sum", comm.name)
     if kind is StepKind.ALL_GATHER:
@@ -181,6 +184,13 @@ def finish(move: Move, started: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     if n == 1 or not kind.communicates:
         return started
     y = _ops(comm).wait_tensor(started)
+    out = _finished(move, y, n, comm)
+    return torch.view_as_complex(out.contiguous()) if move.complex else out
+
+
+def _finished(move: Move, y: torch.Tensor, n: int, comm: AxisComm) -> torch.Tensor:
+    """A waited collective's tensor laid out as the move's result, padding dropped."""
+    kind = move.kind
     if kind is StepKind.ALL_REDUCE:
         return y / n if move.reduce == "avg" else y
     out = _laid_out(move, y, n)
@@ -246,21 +256,25 @@ def _global_size(step: Step, dim: Optional[int]) -> Optional[int]:
     return step.before.meta.shape[dim]
 
 
+def _complex(step: Step) -> bool:
+    return step.before is not None and step.before.meta.dtype.is_complex
+
+
 def forward_move(step: Step) -> Move:
     return Move(step.kind, step.dim, step.to_dim, step.reduce, _global_size(step, step.dim),
-                _global_size(step, step.to_dim), step.dim_unit, step.unit)
+                _global_size(step, step.to_dim), step.dim_unit, step.unit, _complex(step))
 
 
 def backward_move(step: Step) -> Move:
     """The conjugate (autopar/core/resharding.py's table); all_reduce's avg and max
     backwards are local and handled by the autograd functions."""
-    back = step.backward
+    back, complex_ = step.backward, _complex(step)
     if back is StepKind.ALL_TO_ALL:
         return Move(back, step.to_dim, step.dim, size=_global_size(step, step.to_dim),
-                    to_size=_global_size(step, step.dim), unit=step.unit, to_unit=step.from_unit)
+                    to_size=_global_size(step, step.dim), unit=step.unit, to_unit=step.from_unit, complex=complex_)
     if back is StepKind.ALL_REDUCE:
-        return Move(back)
-    return Move(back, step.dim, size=_global_size(step, step.dim), unit=step.dim_unit)
+        return Move(back, complex=complex_)
+    return Move(back, step.dim, size=_global_size(step, step.dim), unit=step.dim_unit, complex=complex_)
 
 
 def reduces(m: Move) -> bool:
