@@ -1,8 +1,9 @@
 """A finished job takes its process groups down before the interpreter ends
 (autopar/runtime/teardown.py): two plain gloo processes that compile, train a step and
 return without destroy_process_group exit 0, with every group destroyed by autopar's
-exit hook (checked by an exit handler that runs after it). How often a job aborts at
-exit without the hook is counted by bench/soak.py, not here: one run proves nothing."""
+exit hook and every gloo worker thread asleep (checked by an exit handler that runs
+after it). How often a job aborts at exit without the hook is counted by
+bench/soak.py and the README's figures, not here: one run proves nothing."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 rank, store = int(sys.argv[1]), sys.argv[2]
 # registered before autopar's hook, so it runs after it (atexit runs last-in first-out)
-atexit.register(lambda: print("initialised at exit:", dist.is_initialized(), flush=True))
+def after_autopar():
+    from autopar.runtime.teardown import GLOO_WORKER, _thread_states
+    states = _thread_states(GLOO_WORKER)
+    print("initialised at exit:", dist.is_initialized(), "workers asleep:", states is None or set(states) <= {"S"},
+          flush=True)
+atexit.register(after_autopar)
 import autopar
 from autopar.tools.simulated import CHEAP_COMM
 from tests.models import build
@@ -48,4 +54,4 @@ def test_a_job_that_never_destroys_its_groups_exits_0_with_them_taken_down():
                 p.kill()
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-3000:]}"
-        assert "trained" in log and "initialised at exit: False" in log, log[-3000:]
+        assert "trained" in log and "initialised at exit: False workers asleep: True" in log, log[-3000:]
