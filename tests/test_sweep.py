@@ -222,3 +222,22 @@ def test_speech_inputs_run_one_training_step(arch):
     losses = [loss_of(model(**kwargs)) for _ in range(2)]
     assert torch.isfinite(losses[0]) and torch.equal(losses[0], losses[1])
     losses[0].backward()
+
+
+# ---- the slice on real ranks ---------------------------------------------------------
+
+RANK_MESH = (2, 4)
+
+
+@pytest.mark.slow
+def test_the_sample_passes_on_eight_gloo_ranks():
+    """The same sample, each architecture planned on rank 0, shipped, and trained on 8
+    gloo ranks ((2, 4)) in one spawn: what the simulator passes must pass on ranks."""
+    from tests import cases
+    from tests.harness import run_ranks
+    archs = [(arch, architectures(task)[arch], task.value) for task, arch in PASSING]
+    results = run_ranks(8, [(cases.sweep_slice_on_ranks, {"archs": archs, "mesh": RANK_MESH})])
+    for rank, (found,) in enumerate(results):
+        failed = {a: r["report"] for a, r in found.items() if not r["ok"]}
+        assert not failed, f"rank {rank}: " + "\n".join(f"{a}: {r}" for a, r in failed.items())
+    assert set(results[0][0]) == {a for a, _, _ in archs}
