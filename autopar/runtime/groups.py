@@ -42,6 +42,9 @@ class MeshGroups:
     world: Any  # the default group these were made under (a new one after re-init needs new groups)
     ranks: tuple[int, ...] = ()  # global ranks of the mesh, row-major; () for the whole world
     group: Any = None  # the process group spanning the mesh; None for the whole world
+    # a group spanning the mesh with the mesh's own timeout (the world's default group has
+    # the launcher's): what each call's input agreement runs on (call_agreement.py)
+    span: Any = None
 
     @property
     def coords(self) -> tuple[int, ...]:
@@ -128,7 +131,7 @@ def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, time
     take_down_at_exit(_CACHE.clear)
     glob = ranks or tuple(range(mesh.size))
     timeout = timedelta(seconds=timeout_s)
-    whole = dist.new_group(list(glob), backend=backend, timeout=timeout) if ranks else None
+    whole = dist.new_group(list(glob), backend=backend, timeout=timeout) if axes is None else None
     comms, groups = [], []
     coords = mesh.coords(rank) if rank >= 0 else (0,) * mesh.ndim
     for axis, size in enumerate(mesh.shape):
@@ -145,7 +148,8 @@ def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, time
         groups.append(mine)
         comms.append(AxisComm(mine, size, coords[axis], mine.group_name if mine is not None else ""))
     if rank < 0 or axes is not None:
-        return MeshGroups(mesh, rank, tuple(comms), None, dist.group.WORLD, glob, whole)
+        return MeshGroups(mesh, rank, tuple(comms), None, dist.group.WORLD, glob, whole if ranks else None, whole)
     device_mesh = DeviceMesh.from_group(groups, device.type, mesh=torch.tensor(glob).view(mesh.shape),
                                         mesh_dim_names=tuple(f"axis{a}" for a in range(mesh.ndim)))
-    return MeshGroups(mesh, rank, tuple(comms), device_mesh, dist.group.WORLD, tuple(ranks), whole)
+    return MeshGroups(mesh, rank, tuple(comms), device_mesh, dist.group.WORLD, tuple(ranks), whole if ranks else None,
+                      whole)
