@@ -98,3 +98,30 @@ def run_ranks(world: int, cases: list[tuple[Callable, dict]]) -> list[list[Any]]
             if isinstance(item, dict) and isinstance(item.get("error"), str):
                 raise AssertionError(f"rank {r} failed:\n{item['error']}")
     return results
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plain_env(**extra: str) -> dict:
+    """This environment for a plain process that imports the repository's packages."""
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path, **extra}
+
+
+def run_processes(commands: list[list[str]], envs: list[dict], timeout_s: float = 600) -> list[tuple[int, str]]:
+    """Each command started at once as a plain process (its own interpreter, environment
+    and exit code, as torchrun starts a rank) in the repository root; the (exit code,
+    output) of each. Past `timeout_s` every process is killed and TimeoutError raised."""
+    import subprocess
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd, env in zip(commands, envs)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        logs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{len(procs)} processes did not finish within {timeout_s} s") from None
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, log) for p, log in zip(procs, logs)]

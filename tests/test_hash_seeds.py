@@ -8,18 +8,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _env(seed: int) -> dict:
-    return {**os.environ, "PYTHONHASHSEED": str(seed), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+from tests.harness import plain_env, run_processes
 
 
 def _planned(seeds: tuple[int, ...], tmp: str, save: bool = False, at_once: int = 2) -> dict:
@@ -27,16 +21,17 @@ def _planned(seeds: tuple[int, ...], tmp: str, save: bool = False, at_once: int 
     found = {}
     for first in range(0, len(seeds), at_once):
         batch = seeds[first:first + at_once]
-        outs = {seed: os.path.join(tmp, f"seed{seed}.json") for seed in batch}
-        procs = {seed: subprocess.Popen([sys.executable, "-m", "tests.seeded_process", "plan", out]
-                                        + ([tmp] if save else []), env=_env(seed), cwd=ROOT, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                 for seed, out in outs.items()}
-        for seed, p in procs.items():
-            log = p.communicate(timeout=600)[0]
-            assert p.returncode == 0, f"PYTHONHASHSEED={seed}:\n{log[-3000:]}"
-            found[seed] = json.loads(pathlib.Path(outs[seed]).read_text())
+        outs = [os.path.join(tmp, f"seed{seed}.json") for seed in batch]
+        ended = run_processes([[sys.executable, "-m", "tests.seeded_process", "plan", out] + ([tmp] if save else [])
+                               for out in outs], [_env(seed) for seed in batch])
+        for seed, out, (code, log) in zip(batch, outs, ended):
+            assert code == 0, f"PYTHONHASHSEED={seed}:\n{log[-3000:]}"
+            found[seed] = json.loads(pathlib.Path(out).read_text())
     return found
+
+
+def _env(seed: int) -> dict:
+    return plain_env(PYTHONHASHSEED=str(seed), OMP_NUM_THREADS="1")
 
 
 def _same_under(seeds: tuple[int, ...]) -> None:
@@ -60,17 +55,11 @@ def test_ten_hash_seeds_give_one_graph_and_plan():
 def test_a_plan_saved_under_one_hash_seed_runs_under_another_on_two_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         _planned((1,), tmp, save=True)
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.seeded_process", "run", str(rank),
-                                   os.path.join(tmp, "store"), tmp, os.path.join(tmp, f"rank{rank}.json")],
-                                  env=_env(0), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for rank in range(2)]
-        try:
-            logs = [p.communicate(timeout=600)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        for rank, (p, log) in enumerate(zip(procs, logs)):
-            assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+        ended = run_processes([[sys.executable, "-m", "tests.seeded_process", "run", str(rank),
+                                os.path.join(tmp, "store"), tmp, os.path.join(tmp, f"rank{rank}.json")]
+                               for rank in range(2)], [_env(0)] * 2)
+        for rank, (code, log) in enumerate(ended):
+            assert code == 0, f"rank {rank} failed:\n{log[-4000:]}"
         for rank in range(2):
             res = json.loads(pathlib.Path(tmp, f"rank{rank}.json").read_text())
             for arch, r in res.items():

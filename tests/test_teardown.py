@@ -7,13 +7,10 @@ bench/soak.py and the README's figures, not here: one run proves nothing."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.harness import plain_env, run_processes
 
 SCRIPT = """
 import atexit, sys
@@ -42,16 +39,9 @@ print("trained", sorted(state)[:1], flush=True)
 
 
 def test_a_job_that_never_destroys_its_groups_exits_0_with_them_taken_down():
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(rank), f"{tmp}/store"], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-        try:
-            logs = [p.communicate(timeout=300)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-3000:]}"
+        ended = run_processes([[sys.executable, "-c", SCRIPT, str(rank), f"{tmp}/store"] for rank in range(2)],
+                              [plain_env()] * 2, timeout_s=300)
+    for rank, (code, log) in enumerate(ended):
+        assert code == 0, f"rank {rank} exited {code}:\n{log[-3000:]}"
         assert "trained" in log and "initialised at exit: False workers asleep: True" in log, log[-3000:]

@@ -22,9 +22,8 @@ from torch import nn
 import autopar
 from autopar.passes.trace import export_program, load_program, program_bytes, trace, traced_program
 from tests import models
-from tests.harness import run_ranks
+from tests.harness import plain_env, run_processes, run_ranks
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = ("q", "k", "v", "gate", "up", "down")
 
 
@@ -185,24 +184,10 @@ def test_ranks_with_different_hash_seeds_agree():
     seeds = (1, 2)
     assert _set_order(seeds[0]) != _set_order(seeds[1]), "pick seeds that order the set differently"
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for rank, seed in enumerate(seeds):
-            env = {**os.environ, "PYTHONHASHSEED": str(seed), "HF_HUB_OFFLINE": "1",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), f"{tmp}/store",
-                                           f"{tmp}/rank{rank}.json"], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + 300
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise
-        for rank, (p, log) in enumerate(zip(procs, logs)):
-            assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+        ended = run_processes([[sys.executable, "-c", RANK_SCRIPT, str(rank), f"{tmp}/store", f"{tmp}/rank{rank}.json"]
+                               for rank in range(2)], [plain_env(PYTHONHASHSEED=str(seed)) for seed in seeds], 300)
+        for rank, (code, log) in enumerate(ended):
+            assert code == 0, f"rank {rank} failed:\n{log[-4000:]}"
         res = [json.loads(pathlib.Path(f"{tmp}/rank{r}.json").read_text()) for r in range(2)]
     assert res[0]["order"] != res[1]["order"]
     assert res[0]["fingerprint"] == res[1]["fingerprint"]
