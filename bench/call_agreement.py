@@ -42,7 +42,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         opt.zero_grad()
 
     def agreement() -> None:
-        agree_on_call(CallSignature(Inputs.of((), kwargs), True, True), 0, pm.device, pm.span)
+        agree_on_call(CallSignature(Inputs.of((), kwargs), True, True), 0, pm.span)
 
     timed = median_steps_s({"agreement": agreement, "step": step}, args.steps)
     if rank == 0:

@@ -43,13 +43,14 @@ class CallSignature:
         return int.from_bytes(raw, "little", signed=True)
 
 
-def agree_on_call(signature: CallSignature, call: int, device: torch.device, group: Any = None) -> None:
-    """Return when every rank of `group` (None: the world) passes `signature` at its call
-    number `call`; else raise InputMismatchError on every rank, naming each rank's."""
+def agree_on_call(signature: CallSignature, call: int, group: Any = None) -> None:
+    """Return when every rank of `group` (a gloo group; None: the world) passes
+    `signature` at its call number `call`; else raise InputMismatchError on every rank,
+    naming each rank's."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return
-    mine = torch.tensor([signature.digest()], dtype=torch.int64, device=device)
+    mine = torch.tensor([signature.digest()], dtype=torch.int64)
     seen = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(seen, mine, group=group)
     if all(int(t) == int(mine) for t in seen):

@@ -42,8 +42,8 @@ class MeshGroups:
     world: Any  # the default group these were made under (a new one after re-init needs new groups)
     ranks: tuple[int, ...] = ()  # global ranks of the mesh, row-major; () for the whole world
     group: Any = None  # the process group spanning the mesh; None for the whole world
-    # a group spanning the mesh with the mesh's own timeout (the world's default group has
-    # the launcher's): what each call's input agreement runs on (call_agreement.py)
+    # a gloo group spanning the mesh with the mesh's own timeout (the world's default group
+    # has the launcher's): what each call's input agreement runs on (call_agreement.py)
     span: Any = None
 
     @property
@@ -131,7 +131,12 @@ def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, time
     take_down_at_exit(_CACHE.clear)
     glob = ranks or tuple(range(mesh.size))
     timeout = timedelta(seconds=timeout_s)
-    whole = dist.new_group(list(glob), backend=backend, timeout=timeout) if axes is None else None
+    # the input agreement's group: gloo whatever the backend, so that checking a call's
+    # inputs never waits on a GPU stream
+    span = dist.new_group(list(glob), backend="gloo", timeout=timeout) if axes is None else None
+    whole = None
+    if ranks and axes is None:
+        whole = span if backend == "gloo" else dist.new_group(list(glob), backend=backend, timeout=timeout)
     comms, groups = [], []
     coords = mesh.coords(rank) if rank >= 0 else (0,) * mesh.ndim
     for axis, size in enumerate(mesh.shape):
@@ -148,8 +153,7 @@ def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, time
         groups.append(mine)
         comms.append(AxisComm(mine, size, coords[axis], mine.group_name if mine is not None else ""))
     if rank < 0 or axes is not None:
-        return MeshGroups(mesh, rank, tuple(comms), None, dist.group.WORLD, glob, whole if ranks else None, whole)
+        return MeshGroups(mesh, rank, tuple(comms), None, dist.group.WORLD, glob, whole, span)
     device_mesh = DeviceMesh.from_group(groups, device.type, mesh=torch.tensor(glob).view(mesh.shape),
                                         mesh_dim_names=tuple(f"axis{a}" for a in range(mesh.ndim)))
-    return MeshGroups(mesh, rank, tuple(comms), device_mesh, dist.group.WORLD, tuple(ranks), whole if ranks else None,
-                      whole)
+    return MeshGroups(mesh, rank, tuple(comms), device_mesh, dist.group.WORLD, tuple(ranks), whole, span)

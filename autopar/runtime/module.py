@@ -78,7 +78,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self.device, self.on_meta = _model_device(model, materialize_on)
         groups = groups or mesh_groups(mesh, self.device, options.collective_timeout_s)
         self.group = groups.group  # the ranks that trace and plan together (None: the world)
-        self.span = groups.span  # the same ranks, under Options.collective_timeout_s
+        self.span = groups.span  # the same ranks over gloo, under Options.collective_timeout_s
         self.rank, self.coords, self.comms, self.device_mesh = groups.rank, groups.coords, groups.comms, groups.device_mesh
         self.__dict__["source_model"] = model  # not a submodule: its full parameters are not ours
         self.shards, self.state_tensors = empty_shards(model, self.device, _BucketsOf(self))
@@ -178,7 +178,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         else:
             inputs = ("local inputs of", compiled.traced.fingerprint) if local_inputs else Inputs.of(args, kwargs)
         signature = CallSignature(inputs, self.source_model.training, torch.is_grad_enabled())
-        agree_on_call(signature, self.calls, self.device, self.span)
+        agree_on_call(signature, self.calls, self.span)
         if problem is not None:
             raise problem
         return compiled if local_inputs else self._compiled(args, kwargs)
