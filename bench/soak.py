@@ -168,61 +168,6 @@ def _run(jobs: Iterator[Job], running: list, ended: list[Ended], deadline: float
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _load(n: int) -> list[subprocess.Popen]:
-    spin = "import time\nwhile True: sum(i * i for i in range(10000))"
-    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
-
-
-def soak(args: argparse.Namespace) -> list[Ended]:
-    kinds = tuple(args.kinds.split(","))
-    unknown = set(kinds) - set(WORLDS)
-    if unknown:
-        raise SystemExit(f"soak: unknown kinds {sorted(unknown)}; choose from {sorted(WORLDS)}")
-    work = tempfile.mkdtemp(prefix="autopar-soak-")
-    deadline = time.monotonic() + args.minutes * 60
-    jobs = _schedule(kinds, tuple(int(r) for r in args.ranks.split(",")) if args.ranks else ())
-    running: list[tuple[Job, subprocess.Popen, str, float]] = []
-    ended: list[Ended] = []
-    spinners = _load(args.load)
-    try:
-        _run(jobs, running, ended, deadline, work, args)
-    except KeyboardInterrupt:  # the jobs so far still count
-        print("soak: interrupted; the jobs still running are not counted", flush=True)
-    finally:
-        for proc in spinners:
-            proc.kill()
-        for _, proc, _, _ in running:
-            os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(work, ignore_errors=True)
-    return ended
-
-
-def _run(jobs: Iterator[Job], running: list, ended: list[Ended], deadline: float, work: str,
-         args: argparse.Namespace) -> None:
-    """Keep --parallel jobs running until the deadline (or --jobs), judging each as it ends."""
-    if True:
-        while running or (time.monotonic() < deadline and (args.jobs is None or len(ended) + len(running) < args.jobs)):
-            while (len(running) < args.parallel and time.monotonic() < deadline
-                   and (args.jobs is None or len(ended) + len(running) < args.jobs)):
-                job = next(jobs)
-                running.append((job, *_start(job, work, args)))
-            time.sleep(0.5)
-            for item in list(running):
-                job, proc, out, t0 = item
-                rc = proc.poll()
-                timed_out = rc is None and time.monotonic() - t0 > args.job_timeout
-                if rc is None and not timed_out:
-                    continue
-                if timed_out:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                running.remove(item)
-                end = _verdict(job, out, None if timed_out else rc, time.monotonic() - t0)
-                ended.append(end)
-                _report(end, args.keep)
-                shutil.rmtree(out, ignore_errors=True)
-
-
 def _report(end: Ended, keep: Optional[str]) -> None:
     j = end.job
     line = f"job {j.number:4d} {j.kind:10s} {j.world} ranks {end.seconds:6.1f} s  {end.outcome}"
