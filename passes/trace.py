@@ -347,7 +347,7 @@ def _rename_placeholders(gm: fx.GraphModule, inputs: tuple[GraphInput, ...]) -> 
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in renamed:
             node.name = node.target = renamed[node.name]
-    gm.recompile()
+    # no recompile here: canonicalise, which runs next, renames again and recompiles once
     return tuple(GraphInput(renamed.get(gi.name, gi.name), gi.kind, gi.target, gi.meta) for gi in inputs)
 
 
