@@ -623,32 +623,3 @@ def complex_collectives(rank: int, world: int) -> dict:
     want = {"all_to_all": whole.chunk(world, dim=1)[rank], "all_gather": whole,
             "reduce_scatter": total.chunk(world, dim=1)[rank], "all_reduce": total}
     return {"got": got, "want": want}
-
-
-def sweep_slice_on_ranks(rank: int, world: int, archs: list, mesh: tuple) -> dict:
-    """The sweep's tiny configs (autopar/tools/sweep_configs.py), trained one after another
-    on these ranks with autopar.verify against one device: outputs and every parameter
-    gradient at fp32's tolerances or, where any rank misses them, again in float64 (a sum
-    over ranks adds in another order: the sweep's own rule, autopar/tools/sweep.py)."""
-    import time
-    import torch.distributed as dist
-    from autopar.tools.sweep_configs import Task, Tiny
-    from autopar.tools.verify import verify
-    found = {}
-    for arch, model_class, task in archs:
-        t0 = time.monotonic()
-        tiny = Tiny(arch, model_class, Task(task), training=True)
-        model, kwargs = tiny.build()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = verify(model, (), kwargs, mesh=mesh, device=CHEAP_COMM)
-            every = torch.tensor([int(report.ok)])
-            dist.all_reduce(every, op=dist.ReduceOp.MIN)
-            if not every.item():
-                model, kwargs = tiny.build()
-                kwargs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                          for k, v in kwargs.items()}
-                report = verify(model.double(), (), kwargs, mesh=mesh, device=CHEAP_COMM, rtol=1e-7, atol=1e-7)
-        found[arch] = {"ok": report.ok, "report": str(report)[-1500:], "seconds": time.monotonic() - t0,
-                       "float64": not every.item()}
-    return found

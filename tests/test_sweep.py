@@ -231,13 +231,32 @@ RANK_MESH = (2, 4)
 
 @pytest.mark.slow
 def test_the_sample_passes_on_eight_gloo_ranks():
-    """The same sample, each architecture planned on rank 0, shipped, and trained on 8
-    gloo ranks ((2, 4)) in one spawn: what the simulator passes must pass on ranks."""
-    from tests import cases
-    from tests.harness import run_ranks
-    archs = [(arch, architectures(task)[arch], task.value) for task, arch in PASSING]
-    results = run_ranks(8, [(cases.sweep_slice_on_ranks, {"archs": archs, "mesh": RANK_MESH})])
-    for rank, (found,) in enumerate(results):
-        failed = {a: r["report"] for a, r in found.items() if not r["ok"]}
-        assert not failed, f"rank {rank}: " + "\n".join(f"{a}: {r}" for a, r in failed.items())
-    assert set(results[0][0]) == {a for a, _, _ in archs}
+    """The same sample through the sweep's ranks stage (autopar/tools/sweep_ranks.py) in
+    one set of 8 gloo ranks ((2, 4)): each architecture planned on rank 0, shipped, and
+    trained against one device, outputs and every gradient. What the simulator passes
+    must pass on ranks."""
+    from autopar.tools.sweep_configs import Tiny
+    from autopar.tools.sweep_ranks import RankJob, run_on_ranks
+    jobs = [RankJob(Tiny(arch, architectures(task)[arch], task, training=True)) for task, arch in PASSING]
+    results = run_on_ranks(jobs, RANK_MESH, limit_s=300, chunk=len(jobs))
+    assert set(results) == {arch for _, arch in PASSING}
+    failed = {a: f"{r.outcome.value}: {r.cause}" for a, r in results.items() if r.outcome is not Outcome.PASS}
+    assert not failed, "\n".join(f"{a}: {why}" for a, why in failed.items())
+
+
+@pytest.mark.slow
+def test_a_failed_architecture_ends_its_ranks_and_fresh_ones_go_on(tmp_path):
+    """An architecture that raises on the ranks is a row naming the rank and the error;
+    the ranks are ended and new ones run the rest, which pass."""
+    from autopar.tools.sweep_configs import Tiny
+    from autopar.tools.sweep_ranks import RankJob, run_on_ranks
+    missing = str(tmp_path / "no-such-plan.json")
+    jobs = [RankJob(Tiny("gpt2", "GPT2LMHeadModel", Task.CAUSAL_LM, training=True), missing),
+            RankJob(Tiny("llama", "LlamaForCausalLM", Task.CAUSAL_LM, training=True))]
+    seen = []
+    results = run_on_ranks(jobs, (2,), limit_s=120, progress=seen.append)
+    assert [r.arch for r in seen] == ["gpt2", "llama"]
+    assert results["gpt2"].outcome is Outcome.ERROR
+    assert "PlanFileError" in results["gpt2"].cause and missing in results["gpt2"].cause
+    assert results["gpt2"].cause.startswith("rank ")
+    assert results["llama"].outcome is Outcome.PASS, results["llama"].cause

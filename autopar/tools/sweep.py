@@ -31,9 +31,10 @@ import multiprocessing
 import os
 import signal
 import statistics
+import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Optional
 
@@ -48,8 +49,7 @@ from autopar.passes.planning import plan_traced
 from autopar.passes.trace import trace
 from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run, simulate_against
 from autopar.tools.sweep_configs import Task, Tiny, architectures
-from autopar.tools.sweep_ranks import run_on_ranks
-
+from autopar.tools.sweep_ranks import Outcome, RankJob, RankResult, run_on_ranks
 
 
 class Stage(Enum):
@@ -65,20 +65,14 @@ class Stage(Enum):
 NOT_AUTOPARS = (Stage.CONFIG, Stage.SINGLE_DEVICE)  # failures there are the model's or the shrink's
 
 
-class Outcome(Enum):
-    PASS = "pass"
-    ERROR = "error"  # an exception
-    MISMATCH = "mismatch"  # ran, but differs from one device
-    TIMEOUT = "timeout"
-
-
 @dataclass(frozen=True)
 class SweepOptions:
     task: Task = Task.CAUSAL_LM
     mesh: tuple[int, ...] = (2, 4)
     # training: the plan counts backward, the simulator compares every parameter gradient
     training: bool = False
-    # also run the plan on prod(mesh) gloo ranks (autopar.verify)
+    # also run every plan the simulator passed on prod(mesh) gloo ranks (autopar.verify),
+    # after the simulator stage of every architecture, up to ranks_chunk in one set of ranks
     ranks: bool = False
     # wall-clock seconds per architecture, all stages together
     limit_s: float = 120.0
@@ -90,6 +84,7 @@ class SweepOptions:
     until: Stage = Stage.RANKS
     # workers running at once
     jobs: int = 1
+    ranks_chunk: int = 24
 
 
 @dataclass(frozen=True)
@@ -108,6 +103,7 @@ class SweepResult:
     sharded_values: int = 0  # graph values (parameters, activations) split on some mesh axis
     # fp32 differed by rounding only: the float64 re-check matched (_simulate_in_float64)
     float64_only: bool = False
+    ranks_float64_only: bool = False  # the same, on the ranks
 
     @property
     def category(self) -> str:
@@ -127,7 +123,7 @@ class SweepResult:
     def line(self) -> str:
         times = " ".join(f"{k} {v:.1f}s" for k, v in self.times_s.items())
         where = f" in {self.stage.value}" if self.outcome is Outcome.TIMEOUT and self.stage else ""
-        where += " (float64)" if self.float64_only else ""
+        where += " (float64)" if self.float64_only or self.ranks_float64_only else ""
         cause = f"  {self.cause.splitlines()[0][:160]}" if self.cause else ""
         return f"{self.arch:<26} {self.category + where:<24} {times}{cause}"
 
@@ -144,9 +140,11 @@ def _cause(e: BaseException, lines: int = 3) -> str:
 
 
 def check_architecture(arch: str, model_class: str, options: SweepOptions,
-                       on_stage: Callable[[Stage], None] = lambda s: None) -> SweepResult:
-    """Run one architecture through the stages in this process (the sweep calls it in a
-    forked worker; tests may call it directly)."""
+                       on_stage: Callable[[Stage], None] = lambda s: None,
+                       plan_path: Optional[str] = None) -> SweepResult:
+    """Run one architecture through the stages up to the simulator in this process (the
+    sweep calls it in a forked worker; tests may call it directly). A plan the simulator
+    passed is saved at `plan_path`, for the ranks stage (sweep_ranks.py)."""
     times: dict[str, float] = {}
     cpu: dict[str, float] = {}
     facts = {"params": 0, "sharded_params": 0, "sharded_values": 0, "float64_only": False}
@@ -188,8 +186,8 @@ def check_architecture(arch: str, model_class: str, options: SweepOptions,
             if reached(Stage.SIMULATE):
                 facts["float64_only"] = stage(
                     Stage.SIMULATE, lambda: _simulate_and_compare(model, kwargs, traced, plan, ref, options))
-            if options.ranks and reached(Stage.RANKS):
-                stage(Stage.RANKS, lambda: _on_ranks(arch, model_class, plan, options))
+            if plan_path is not None and reached(Stage.RANKS):
+                plan.to_json(plan_path)
     except _Stopped as s:
         return SweepResult(arch, model_class, s.outcome, s.stage, s.cause, times, cpu, **facts)
     return SweepResult(arch, model_class, Outcome.PASS, None, "", times, cpu, **facts)
@@ -229,23 +227,17 @@ def _simulate_in_float64(model: torch.nn.Module, kwargs: dict, options: SweepOpt
     simulate_against(model64, (), kwargs64, traced, plan)
 
 
-def _on_ranks(arch: str, model_class: str, plan, options: SweepOptions) -> None:
-    bad = run_on_ranks(plan, Tiny(arch, model_class, options.task, options.training, options.batch, options.seq))
-    if bad is not None:
-        rank, outcome, text = bad
-        raise _Stopped(Stage.RANKS, Outcome[outcome], f"rank {rank}: {text[:600]}")
-
-
 # ---- the sweep: one forked worker per architecture -----------------------------------
 
-def _worker(arch: str, model_class: str, options: SweepOptions, conn: Any) -> None:
+def _worker(arch: str, model_class: str, options: SweepOptions, plan_path: Optional[str], conn: Any) -> None:
     os.setpgid(0, 0)  # its own process group: a timeout ends the worker and the ranks it spawned
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     try:
-        result = check_architecture(arch, model_class, options, on_stage=lambda s: conn.send(("stage", s)))
+        result = check_architecture(arch, model_class, options, on_stage=lambda s: conn.send(("stage", s)),
+                                    plan_path=plan_path)
     except BaseException as e:  # noqa: BLE001 - the sweep's own bug still returns a row
         result = SweepResult(arch, model_class, Outcome.ERROR, None, f"sweep: {_cause(e)}")
     conn.send(("done", result))
@@ -292,8 +284,18 @@ def _poll(job: _Running, limit_s: float) -> Optional[SweepResult]:
 
 def sweep(options: SweepOptions, only: Optional[list[str]] = None,
           progress: Callable[[str], None] = print) -> list[SweepResult]:
-    """Every architecture of options.task (or `only` those), each in a forked worker."""
+    """Every architecture of options.task (or `only` those), each in a forked worker;
+    with options.ranks, then every plan the simulator passed on gloo ranks."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="autopar-sweep-plans-") as plans:
+        results = _simulated(options, only, progress, plans if options.ranks else None)
+        if options.ranks and options.until is Stage.RANKS:
+            results = _ranked(results, options, plans, progress)
+    return results
+
+
+def _simulated(options: SweepOptions, only: Optional[list[str]], progress: Callable[[str], None],
+               plans: Optional[str]) -> list[SweepResult]:
     import transformers.modeling_utils  # noqa: F401 - loaded once here, inherited by every worker
     archs = architectures(options.task)
     if only:
@@ -310,7 +312,8 @@ def sweep(options: SweepOptions, only: Optional[list[str]] = None,
             while todo and len(running) < options.jobs:
                 arch, cls = todo.pop(0)
                 parent, child = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker, args=(arch, cls, options, child))
+                plan_path = os.path.join(plans, f"{arch}.json") if plans else None
+                proc = ctx.Process(target=_worker, args=(arch, cls, options, plan_path, child))
                 proc.start()
                 try:
                     os.setpgid(proc.pid, proc.pid)  # also here: whichever side runs first
@@ -330,6 +333,29 @@ def sweep(options: SweepOptions, only: Optional[list[str]] = None,
             _kill(job)
     order = list(archs)
     return sorted(results, key=lambda r: order.index(r.arch))
+
+
+def _ranked(results: list[SweepResult], options: SweepOptions, plans: str,
+            progress: Callable[[str], None]) -> list[SweepResult]:
+    """`results` with the ranks stage of every architecture the simulator passed."""
+    jobs = [RankJob(Tiny(r.arch, r.model_class, options.task, options.training, options.batch, options.seq),
+                    os.path.join(plans, f"{r.arch}.json"))
+            for r in results if r.outcome is Outcome.PASS and os.path.exists(os.path.join(plans, f"{r.arch}.json"))]
+    world = Mesh.of(options.mesh).size
+    progress(f"ranks: the {len(jobs)} plans the simulator passed, on {world} gloo ranks")
+    count = iter(range(1, len(jobs) + 1))
+    by_arch = {r.arch: r for r in results}
+    done = run_on_ranks(jobs, options.mesh, options.limit_s, options.ranks_chunk,
+                        progress=lambda rr: progress(f"[ranks {next(count):3d}/{len(jobs)}] "
+                                                     f"{_with_ranks(by_arch[rr.arch], rr).line()}"))
+    return [_with_ranks(r, done[r.arch]) if r.arch in done else r for r in results]
+
+
+def _with_ranks(result: SweepResult, ranked: RankResult) -> SweepResult:
+    passed = ranked.outcome is Outcome.PASS
+    return replace(result, outcome=ranked.outcome, stage=None if passed else Stage.RANKS, cause=ranked.cause,
+                   times_s={**result.times_s, Stage.RANKS.value: round(ranked.seconds, 3)},
+                   ranks_float64_only=ranked.float64_only)
 
 
 # ---- the report ----------------------------------------------------------------------
@@ -362,7 +388,13 @@ def summary(results: list[SweepResult], options: SweepOptions) -> str:
     exported = [r for r in results if r.outcome is Outcome.PASS or r.against_autopar]
     lines += ["", f"not autopar's (config, single-device): {theirs}; torch.export failures: {counts['export']}"]
     if any(Stage.EXPORT.value in r.times_s for r in results):
-        lines.append(f"autopar: {counts['pass']} of {len(exported)} exported architectures pass")
+        simulated = sum(r.outcome is Outcome.PASS or r.stage is Stage.RANKS for r in results)
+        lines.append(f"autopar: {simulated} of {len(exported)} exported architectures pass the simulator")
+    if any(Stage.RANKS.value in r.times_s for r in results):
+        ranked = [r for r in results if Stage.RANKS.value in r.times_s]
+        passed = sum(r.outcome is Outcome.PASS for r in ranked)
+        lines.append(f"on {Mesh.of(options.mesh).size} gloo ranks: {passed} of the {len(ranked)} the simulator "
+                     f"passed ({100 * passed / len(ranked):.1f} %)")
     lines += ["", f"{'stage':<16} {'median s':>9} {'max s':>8}  slowest     (CPU s: median, max, slowest)"]
     by_cpu = stage_times(results, cpu=True)
     for s, (med, worst, arch) in stage_times(results).items():
@@ -383,6 +415,9 @@ def summary(results: list[SweepResult], options: SweepOptions) -> str:
     rounding = [r.arch for r in planned if r.float64_only]
     if rounding:
         lines += ["", f"passed in float64 after an fp32 rounding difference: {', '.join(rounding)}"]
+    rounding = [r.arch for r in planned if r.ranks_float64_only]
+    if rounding:
+        lines += ["", f"on ranks, passed in float64 after an fp32 rounding difference: {', '.join(rounding)}"]
     return "\n".join(lines)
 
 
