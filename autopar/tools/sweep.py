@@ -48,7 +48,7 @@ from autopar.cost_models.devices import DeviceSpec
 from autopar.passes.planning import plan_traced
 from autopar.passes.trace import trace
 from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run, simulate_against
-from autopar.tools.sweep_configs import Task, Tiny, architectures
+from autopar.tools.sweep_configs import Task, Tiny, architectures, in_float64
 from autopar.tools.sweep_ranks import Outcome, RankJob, RankResult, run_on_ranks
 
 
@@ -219,9 +219,7 @@ def _simulate_in_float64(model: torch.nn.Module, kwargs: dict, options: SweepOpt
     roundoff, far below any real mistake's size). A model that computes parts in fp32
     whatever its dtype keeps fp32 rounding and still fails here: it is reported as a
     mismatch."""
-    model64 = copy.deepcopy(model).double()
-    kwargs64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                for k, v in kwargs.items()}
+    model64, kwargs64 = in_float64(copy.deepcopy(model), kwargs)
     traced = trace(model64, (), kwargs64)
     plan = plan_traced(traced, Mesh.of(options.mesh), Options(device=options.device, training=options.training))[1]
     simulate_against(model64, (), kwargs64, traced, plan)

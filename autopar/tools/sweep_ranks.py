@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.core.files import write_json_atomic
-from autopar.tools.sweep_configs import Tiny
+from autopar.tools.sweep_configs import Tiny, in_float64
 
 # A chunk's first architecture also waits for the ranks to start (forked, so mostly the
 # rendezvous and the first model's imports).
@@ -188,10 +188,8 @@ def _verify(job: RankJob, mesh: tuple[int, ...], limit_s: float) -> dict:
         dist.all_reduce(every, op=dist.ReduceOp.MIN)
         if every.item():
             return _report(Outcome.PASS, str(report))
-        model, kwargs = tiny.build()
-        kwargs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                  for k, v in kwargs.items()}
-        again = verify(model.double(), (), kwargs, mesh=mesh, device=CHEAP_COMM, training=tiny.training,
+        model, kwargs = in_float64(*tiny.build())
+        again = verify(model, (), kwargs, mesh=mesh, device=CHEAP_COMM, training=tiny.training,
                        rtol=1e-7, atol=1e-7, collective_timeout_s=limit_s)
     text = f"fp32: {report}\nfloat64: {again}"
     return _report(Outcome.PASS if again.ok else Outcome.MISMATCH, text, float64=True)
