@@ -67,7 +67,9 @@ def case_generate(rank: int, world: int, family: str, mesh: tuple, cache_layout=
         warnings.simplefilter("ignore")
         gen = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE,
                                              prefill_len=PREFILL, cache_layout=cache_layout)
+        agreed, calls = gen.step.agreed_calls, gen.step.calls
         out = {"tokens": [gen.generate(ids, NEW) for ids in prompts()]}
+        out["step_agreements"] = (gen.step.agreed_calls - agreed, gen.step.calls - calls)
         if extras:
             out["sampled"] = gen.generate(prompts()[0], NEW, do_sample=True, temperature=0.8, top_k=20,
                                           generator=torch.Generator().manual_seed(7))
@@ -135,6 +137,8 @@ def check_greedy(results: list[dict], family: str, split: bool) -> None:
         for got, ref in zip(res["tokens"], want):
             assert torch.equal(got, ref), f"{family} rank {rank} cache {res['layout']}:\n{got}\n!=\n{ref}"
         assert res["cache_moves"] == 0, res
+        agreed, steps = res["step_agreements"]  # the request is agreed once; its steps follow from it
+        assert agreed == 0 and steps == 2 * NEW, res["step_agreements"]
     if split:
         assert results[0]["local_cache"] != results[0]["full_cache"], results[0]["layout"]
 

@@ -31,6 +31,8 @@ padding (a mask with zeros is refused).
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Optional
 
 import torch
@@ -92,11 +94,14 @@ class Generator:
         request = None if problem else (tuple(input_ids.shape), max_new_tokens, do_sample, temperature, top_k)
         _agree(problem, request)
         batch, prompt = input_ids.shape
-        logits = self.step(*self._prefill_inputs(input_ids))[:batch, prompt - 1]
-        new = [next_tokens(logits, do_sample, temperature, top_k, generator)]
-        for t in range(1, max_new_tokens):
-            logits = self.step(*self._decode_inputs(new[-1], prompt + t - 1))[:batch, -1]
-            new.append(next_tokens(logits, do_sample, temperature, top_k, generator))
+        # every step's inputs follow from the agreed request: a ParallelModule need not agree
+        # on each again (a CachedLM on one device has nothing to agree)
+        with getattr(self.step, "agreed_by_caller", contextlib.nullcontext)():
+            logits = self.step(*self._prefill_inputs(input_ids))[:batch, prompt - 1]
+            new = [next_tokens(logits, do_sample, temperature, top_k, generator)]
+            for t in range(1, max_new_tokens):
+                logits = self.step(*self._decode_inputs(new[-1], prompt + t - 1))[:batch, -1]
+                new.append(next_tokens(logits, do_sample, temperature, top_k, generator))
         tokens = torch.cat([input_ids, torch.stack(new, 1)], 1)
         _check_ranks_agree(tokens)
         return tokens

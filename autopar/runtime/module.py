@@ -18,12 +18,14 @@ buffers it writes, which shards.store_buffers keeps after each call).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autopar import _compat
@@ -96,6 +98,9 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self.trace_count = 0  # traces this rank took part in (rank 0 traces, the others load its graph)
         self.solve_count = 0  # ILP solves this rank ran (rank 0 solves for every rank)
         self.calls = 0  # forward calls, numbered in the error when the ranks' inputs differ
+        self.agreed_calls = 0  # calls whose inputs this module agreed between the ranks itself
+        self._caller_agrees = False  # inside agreed_by_caller()
+        self._world = dist.get_world_size(self.span) if dist.is_initialized() else 1
 
     def train(self, mode: bool = True) -> "ParallelModule":
         """Training or evaluation mode, for this module and the model it runs: a mode
@@ -163,6 +168,18 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return _compat.tree_unflatten([shard(x, next(specs), self.mesh.shape, self.coords) if isinstance(x, torch.Tensor) else x
                                        for x in leaves], tree)
 
+    @contextlib.contextmanager
+    def agreed_by_caller(self) -> Iterator[None]:
+        """Calls inside skip the per-call agreement, for a caller whose every call's inputs
+        follow from what the ranks have already agreed (generation's decode steps follow
+        from its agreed request): one all-gather less per call. A rank that passes other
+        inputs inside sends the ranks into different collectives."""
+        before, self._caller_agrees = self._caller_agrees, True
+        try:
+            yield
+        finally:
+            self._caller_agrees = before
+
     # ---- parts ----------------------------------------------------------------------
     def _agreed_call(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], spec: Any, consts: tuple,
                      local_inputs: bool) -> Compiled:
@@ -173,12 +190,14 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         compiled = None
         if local_inputs and problem is None:  # blocks differ by rank: agree on the program they feed
             compiled, problem = attempt(lambda: self._compiled_for_local(tensors, spec, consts))
-        if problem is not None:
-            inputs: Any = f"inputs refused here ({type(problem).__name__}: {problem})"
-        else:
-            inputs = ("local inputs of", compiled.traced.fingerprint) if local_inputs else Inputs.of(args, kwargs)
-        signature = CallSignature(inputs, self.source_model.training, torch.is_grad_enabled())
-        agree_on_call(signature, self.calls, self.span)
+        if self._world > 1 and not self._caller_agrees:
+            if problem is not None:
+                inputs: Any = f"inputs refused here ({type(problem).__name__}: {problem})"
+            else:
+                inputs = ("local inputs of", compiled.traced.fingerprint) if local_inputs else Inputs.of(args, kwargs)
+            agree_on_call(CallSignature(inputs, self.source_model.training, torch.is_grad_enabled()), self.calls,
+                          self.span)
+            self.agreed_calls += 1
         if problem is not None:
             raise problem
         return compiled if local_inputs else self._compiled(args, kwargs)
