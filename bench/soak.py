@@ -195,6 +195,10 @@ def summary(ended: list[Ended], minutes: float) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -209,6 +213,10 @@ def main() -> None:
     parser.add_argument("--destroy", action="store_true", help="jobs call destroy_process_group themselves")
     parser.add_argument("--keep", default=None, help="folder for the logs of jobs that did not end ok")
     args = parser.parse_args()
+    # a background job's SIGINT is ignored, and a scheduler stops a job with SIGTERM: both
+    # end the soak as Ctrl-C does, with the counts so far
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     t0 = time.monotonic()
     ended = soak(args)
     print(summary(ended, (time.monotonic() - t0) / 60))
