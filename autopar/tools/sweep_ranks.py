@@ -71,20 +71,22 @@ def run_on_ranks(jobs: list[RankJob], mesh: tuple[int, ...], limit_s: float, chu
     architectures share one set of ranks, each under `limit_s` wall-clock seconds."""
     results: dict[str, RankResult] = {}
     todo = list(jobs)
+    def done(result: RankResult) -> None:
+        results[result.arch] = result
+        progress(result)
+
     while todo:
-        batch = todo[:chunk]
-        for result in _run_batch(batch, mesh, limit_s):
-            results[result.arch] = result
-            progress(result)
+        _run_batch(todo[:chunk], mesh, limit_s, done)
         todo = [j for j in todo if j.tiny.arch not in results]
     return results
 
 
 # ---- the parent: one set of ranks over a batch ---------------------------------------
 
-def _run_batch(batch: list[RankJob], mesh: tuple[int, ...], limit_s: float) -> list[RankResult]:
-    """Results for a prefix of `batch`: all of it, or up to and including the first
-    architecture that failed in a way that ends the ranks (never empty)."""
+def _run_batch(batch: list[RankJob], mesh: tuple[int, ...], limit_s: float, done: Callable[[RankResult], None]) -> None:
+    """`done` with each result, as it comes, for a prefix of `batch`: all of it, or up to
+    and including the first architecture that failed in a way that ends the ranks (at
+    least one)."""
     world = 1
     for size in mesh:
         world *= size
@@ -92,7 +94,7 @@ def _run_batch(batch: list[RankJob], mesh: tuple[int, ...], limit_s: float) -> l
         ctx = mp.start_processes(_rank_main, args=(world, tmp, batch, mesh, limit_s), nprocs=world, join=False,
                                  start_method="fork")
         try:
-            return _watch(ctx, tmp, batch, world, limit_s)
+            _watch(ctx, tmp, batch, world, limit_s, done)
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -100,8 +102,8 @@ def _run_batch(batch: list[RankJob], mesh: tuple[int, ...], limit_s: float) -> l
                 p.join()
 
 
-def _watch(ctx, tmp: str, batch: list[RankJob], world: int, limit_s: float) -> list[RankResult]:
-    out: list[RankResult] = []
+def _watch(ctx, tmp: str, batch: list[RankJob], world: int, limit_s: float,
+           done: Callable[[RankResult], None]) -> None:
     began = time.monotonic()
     limit = limit_s + START_ALLOWANCE_S
     for index, job in enumerate(batch):
@@ -110,32 +112,30 @@ def _watch(ctx, tmp: str, batch: list[RankJob], world: int, limit_s: float) -> l
             reports = [_read(tmp, index, r) for r in range(world)]
             failed = next((r for r, rep in enumerate(reports) if rep and rep["outcome"] == Outcome.ERROR.value), None)
             if failed is not None:
-                out.append(RankResult(arch, Outcome.ERROR, time.monotonic() - began,
-                                      f"rank {failed}: {reports[failed]['report']}"))
-                return out
+                done(RankResult(arch, Outcome.ERROR, time.monotonic() - began,
+                                f"rank {failed}: {reports[failed]['report']}"))
+                return
             if all(reports):
                 worst = next((r for r, rep in enumerate(reports) if rep["outcome"] != Outcome.PASS.value), None)
                 cause = f"rank {worst}: {reports[worst]['report']}" if worst is not None else ""
                 outcome = Outcome.PASS if worst is None else Outcome(reports[worst]["outcome"])
-                out.append(RankResult(arch, outcome, time.monotonic() - began, cause,
-                                      any(rep["float64"] for rep in reports)))
+                done(RankResult(arch, outcome, time.monotonic() - began, cause,
+                                any(rep["float64"] for rep in reports)))
                 break
             dead = next((r for r, p in enumerate(ctx.processes) if p.exitcode is not None), None)
             if dead is not None and not _read(tmp, index, dead):
                 code = ctx.processes[dead].exitcode
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                out.append(RankResult(arch, Outcome.ERROR, time.monotonic() - began,
-                                      f"rank {dead} {how} without a report"))
-                return out
+                done(RankResult(arch, Outcome.ERROR, time.monotonic() - began, f"rank {dead} {how} without a report"))
+                return
             if time.monotonic() - began > limit:
                 begun = [r for r in range(world) if os.path.exists(_path(tmp, index, r, "begun"))]
-                out.append(RankResult(arch, Outcome.TIMEOUT, time.monotonic() - began,
-                                      f"over {limit:g} s; ranks without a report: "
-                                      f"{[r for r in range(world) if not reports[r]]}, begun: {begun}"))
-                return out
+                done(RankResult(arch, Outcome.TIMEOUT, time.monotonic() - began,
+                                f"over {limit:g} s; ranks without a report: "
+                                f"{[r for r in range(world) if not reports[r]]}, begun: {begun}"))
+                return
             time.sleep(0.1)
         began, limit = time.monotonic(), limit_s
-    return out
 
 
 def _path(tmp: str, index: int, rank: int, what: str) -> str:
