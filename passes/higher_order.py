@@ -9,7 +9,9 @@ A `with torch.no_grad():` region inside a model's forward exports as
 and nothing downstream can shard or rewrite a call into a nested graph module. Inlining
 the body after detaching its inputs computes the same values and lets no gradient
 through, which is what the region means: its outputs do not require grad, and no
-activation of it is saved for backward."""
+activation of it is saved for backward. One exception: a region's result that eager hands
+back as its input itself (`h.float()` of a float: torch.export then gives the cast to
+`h`'s readers after the region) is that input, gradient and all, not its detached copy."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from autopar.core.errors import UnsupportedModelError, describe_node
 from autopar.passes.functionalize import new_node, written_args
 
 _GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+# ops that return their input itself where they change nothing (`x.to(x.dtype)`)
+_MAYBE_ITSELF = (torch.ops.aten.to, torch.ops.aten.contiguous, torch.ops.aten.type_as)
 
 
 def inline_grad_regions(gm: fx.GraphModule) -> None:
@@ -63,7 +67,8 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
                 env[node] = _lifted(gm, body, node)
             elif node.op not in ("placeholder", "output"):
                 env[node] = gm.graph.node_copy(node, lambda n: env[n])
-    outputs = fx.node.map_arg(body.graph.output_node().args[0], lambda n: env[n])
+    outer = dict(zip(placeholders, inputs))
+    outputs = fx.node.map_arg(body.graph.output_node().args[0], lambda n: outer.get(_itself(n), env[n]))
     for user in list(call.users):
         if user.target is not operator.getitem:
             raise UnsupportedModelError(f"{describe_node(user)} reads a grad-mode region's results whole; "
@@ -71,6 +76,17 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
         user.replace_all_uses_with(outputs[user.args[1]])
         gm.graph.erase_node(user)
     gm.graph.erase_node(call)
+
+
+def _itself(node: fx.Node) -> fx.Node:
+    """The node whose very tensor `node`'s is: through casts that change nothing, which
+    eager answers with their input (torch says which, on the traced values)."""
+    while node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _MAYBE_ITSELF:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        if node.target(*args, **kwargs) is not args[0]:
+            break
+        node = node.args[0]
+    return node
 
 
 def _is_tensor(value: object) -> bool:

@@ -221,6 +221,37 @@ def test_a_no_grad_region_is_inlined_and_lets_no_gradient_through():
     assert model.inner.weight.grad is None  # the reference: no gradient into the region
 
 
+class NoGradCast(nn.Module):
+    """A no_grad region that casts a value to the dtype it has (`h.float()` of a float,
+    as dots3_note's indexer does): eager returns `h` itself, and torch.export then hands
+    the cast out of the region to `h`'s readers after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.inner, self.outer = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        with torch.no_grad():
+            scale = self.inner(h.float()).abs().mean(-1, keepdim=True)
+        return self.outer(h) * scale
+
+
+def test_a_value_a_no_grad_region_casts_to_its_own_dtype_keeps_its_gradient_outside():
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from autopar.passes.planning import plan_traced
+    from autopar.tools.simulated import CHEAP_COMM, simulate_against
+
+    torch.manual_seed(0)
+    model = NoGradCast().train()
+    x = torch.randn(4, 6, 16)
+    traced = trace(model, (x,))
+    plan = plan_traced(traced, Mesh((2,)), Options(device=CHEAP_COMM))[1]
+    # pre's gradient comes through outer(h) alone; it was lost with the region's detach
+    assert simulate_against(model, (x,), {}, traced, plan, context="cast in a no_grad region") == 6
+
+
 class NestedCacheModel(nn.Module):
     """A multimodal-style model: the cache switch lives in a sub-config (text_config) and in
     a submodule's own config, as in transformers' *ForConditionalGeneration models."""
