@@ -82,7 +82,7 @@ def _start(job: Job, work: str, args: argparse.Namespace) -> tuple[subprocess.Po
     out = os.path.join(work, f"job{job.number}")
     os.makedirs(out)
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               PYTHONFAULTHANDLER="1", PYTHONPATH=ROOT)
+               PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     if args.malloc_check:
         env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.world}",
