@@ -44,12 +44,13 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.errors import MemoryBudgetError
 from autopar.core.pipeline import (PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
-                                   check_microbatches, check_request)
+                                   check_microbatches, check_request, stage_mesh)
 from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
 from autopar.passes.clusters import find_blocks
 from autopar.passes.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
                                          split_stages)
+from autopar.passes.pipeline_stages import stage_plans
 from autopar.passes.planning import plan_annotated, plan_traced, trace_for_planning
 from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph
@@ -73,12 +74,6 @@ def microbatch_inputs(args: tuple, kwargs: dict, microbatches: int) -> tuple[tup
             x = x[: batch // microbatches]
         out.append(x)
     return _compat.tree_unflatten(out, tree)
-
-
-def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
-    """The mesh one stage runs on: `mesh` without the pipeline axis ((1,) if nothing is left)."""
-    rest = tuple(s for a, s in enumerate(mesh.shape) if a != axis)
-    return Mesh(rest or (1,))
 
 
 # ---- 1-3. prices of the units --------------------------------------------------------
@@ -282,12 +277,16 @@ def _fitting_split(units: Units, sends: tuple[float, ...], n_stages: int, option
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
     """autopar.plan with Options.pipeline_axis set: trace at the full batch and at one
-    microbatch, then choose_plan."""
+    microbatch, choose_plan, and for a pipelined plan every stage's own plan
+    (passes/pipeline_stages.py)."""
     check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
     full = trace_for_planning(model, args, kwargs, options.param_dtype)
     micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)
-    return choose_plan(full, micro, mesh, options, lambda: plan_traced(full, mesh, options)[1])
+    plan = choose_plan(full, micro, mesh, options, lambda: plan_traced(full, mesh, options)[1])
+    if plan.pipeline is None or options.cost_model == "profile":  # a profile times each stage where it runs
+        return plan
+    return replace(plan, stage_plans=stage_plans(model, micro_args, micro_kwargs, plan, options))
 
 
 def choose_plan(full: TracedGraph, micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> Plan:

@@ -14,7 +14,7 @@ from autopar.core.pipeline import PipelineError, Schedule, Stage
 from autopar.core.plan import Plan
 from autopar.passes.pipeline import Units, microbatch_inputs, split_stages, stage_values, step_time
 from autopar.passes.pipeline_relay import Relayed, relay_skips
-from autopar.runtime.pipeline import _stage_examples, check_skips, split_model
+from autopar.passes.pipeline_stages import _stage_examples, check_skips, split_model
 from tests.models import build, inputs
 
 
@@ -80,8 +80,13 @@ def test_pipelined_plan_records_stages_and_round_trips(gpt2_plans):
     whole = sum(x.numel() * 4 for x in _gpt2(2)[0].parameters())
     assert whole / 2 < piped.param_bytes < whole and piped.activation_bytes > 0
     assert piped.state_bytes == pytest.approx(3 * piped.param_bytes, rel=0.01)
+    # each stage's own plan, on the sub-mesh without the pipeline axis, travels with it
+    assert [sp.mesh.shape for sp in piped.stage_plans] == [(2,), (2,)]
+    assert all(sp.nodes and sp.pipeline is None for sp in piped.stage_plans)
+    assert piped.stage_plans[0].fingerprint != piped.stage_plans[1].fingerprint != piped.fingerprint
     again = Plan.from_dict(piped.to_dict())
     assert again == piped and again.digest() == piped.digest()
+    assert dataclasses.replace(piped, stage_plans=piped.stage_plans[::-1]).digest() != piped.digest()
     other = dataclasses.replace(piped, pipeline=dataclasses.replace(p, microbatches=4))
     assert other.digest() != piped.digest()  # ranks with different schedules never agree
     assert "pipeline" not in plain.to_dict() and plain.pipeline is None
@@ -184,9 +189,13 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, schedule: str,
-                  microbatches: int = 2, batch: int = 4, layers: int = 2) -> dict:
+                  microbatches: int = 2, batch: int = 4, layers: int = 2, offline: bool = False,
+                  stage_plans: bool = True) -> dict:
     """This rank's loss and the full gradients of its stage's parameters (gathered over
-    the stage's sub-mesh; returned by the sub-mesh's first rank), next to one device's."""
+    the stage's sub-mesh; returned by the sub-mesh's first rank), next to one device's.
+    `offline`: the plan made with autopar.plan in rank 0 alone, saved, and run from its
+    file on every rank; without its `stage_plans` (as a profiled plan is), each stage
+    solves where it runs."""
     import copy
     from autopar.core.mesh import Mesh
     from autopar.runtime.pipeline import PipelinedModule
@@ -201,7 +210,17 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     from autopar.tools.simulated import CHEAP_COMM  # cheap links: the stages' plans split their inputs
     options = autopar.Options(pipeline_axis=axis, microbatches=microbatches, pipeline_schedule=schedule,
                               training=True, device=CHEAP_COMM)
-    pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=mesh, options=options, loss_fn=lm_loss)
+    given = None
+    if offline:
+        import os
+        import tempfile
+        saved = _planned_on_rank0(lambda: autopar.plan(model, (), {"input_ids": ids}, mesh=mesh,
+                                                       options=options).to_dict())
+        if not stage_plans:
+            del saved["stage_plans"]
+        given = os.path.join(tempfile.mkdtemp(), "pipelined.json")
+        autopar.Plan.from_dict(saved).to_json(given)
+    pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=mesh, options=options, loss_fn=lm_loss, plan=given)
     assert isinstance(pipe, PipelinedModule)
     with pytest.raises(PipelineError, match=f"microbatches={microbatches} does not divide the batch"):
         pipe.step(input_ids=ids[:3], target=ids[:3])
@@ -217,7 +236,8 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if lead else {},
             "ref_grads": {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None},
             "stages": [(s.first, s.stop) for s in pipe.plan.pipeline.stages],
-            "split_inputs": sum(r < s.pm.mesh.size for s in pipe.stages for r in s.replicas)}
+            "split_inputs": sum(r < s.pm.mesh.size for s in pipe.stages for r in s.replicas),
+            "solves": pipe.solve_count, "stage_plans": len(pipe.plan.stage_plans)}
 
 
 def _check_pipeline(results: list, case: int) -> None:
@@ -350,19 +370,21 @@ def test_pipelined_losses_and_gradients_match_one_device():
     """8 gloo ranks, one spawn: GPT-2 with 4 layers on (4, 2) pipelining axis 0 under 1F1B
     (4 stages on 2 ranks each; the boolean mask stage 0 makes goes straight to stages 2 and
     3), Llama on (2, 2, 2) pipelining axis 0 under GPipe (2 stages, each on a (2, 2)
-    sub-mesh); Llama with 4 layers in 4 stages on (4, 2) under 1F1B (its rotary tables,
-    made before the first block, relayed to every stage); a plan for other shapes
-    refused; "auto" keeping the plain plan steps one ParallelModule over (2, 4); an MLP in
-    4 stages on 2 pipeline ranks of (2, 4) under interleaved 1F1B; GPT-2 on (2, 2, 2) under
-    1F1B (2 stages)."""
+    sub-mesh; its plan made offline and stripped of its stage plans); Llama with 4 layers
+    in 4 stages on (4, 2) under 1F1B (its rotary tables, made before the first block,
+    relayed to every stage); a plan for other shapes refused; "auto" keeping the plain plan
+    steps one ParallelModule over (2, 4); an MLP in 4 stages on 2 pipeline ranks of (2, 4)
+    under interleaved 1F1B; GPT-2 on (2, 2, 2) under 1F1B (2 stages), its plan made offline
+    and read from a file."""
     from tests.harness import run_ranks
     cases = [(pipeline_case, dict(family="gpt2", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
-             (pipeline_case, dict(family="llama", mesh=(2, 2, 2), axis=0, schedule="gpipe")),
+             (pipeline_case, dict(family="llama", mesh=(2, 2, 2), axis=0, schedule="gpipe", offline=True,
+                                  stage_plans=False)),
              (mismatch_case, {}), (plain_case, {}), (interleaved_case, dict(mesh=(2, 4))),
              (pipeline_case, dict(family="llama", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
-             (pipeline_case, dict(family="gpt2", mesh=(2, 2, 2), axis=0, schedule="1f1b"))]
+             (pipeline_case, dict(family="gpt2", mesh=(2, 2, 2), axis=0, schedule="1f1b", offline=True))]
     results = run_ranks(8, cases)
     for i in (0, 1, 3, 4, 5, 6):
         _check_pipeline(results, i)
@@ -375,6 +397,13 @@ def test_pipelined_losses_and_gradients_match_one_device():
     # assembled from blocks (runtime/pipeline.py step 4), not merely passed through
     assert sum(r[i]["split_inputs"] for r in results for i in range(2)) > 0
     assert all("the given plan was made for LlamaForCausalLM" in r[2]["mismatch"] for r in results)
+    # every stage runs the plan rank 0 made for it, stored in the pipelined plan: no rank
+    # solves, also where that plan came from a file made offline (case 6)
+    for i in (0, 5, 6):
+        assert all(r[i]["solves"] == 0 and r[i]["stage_plans"] == len(r[i]["stages"]) for r in results), \
+            [(r[i]["solves"], r[i]["stage_plans"]) for r in results]
+    # a pipelined plan without stage plans: the first rank of each stage's sub-mesh solves
+    assert [r[1]["solves"] for r in results] == [1, 0, 0, 0, 1, 0, 0, 0] and results[0][1]["stage_plans"] == 0
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Any
 
 from autopar.core.errors import MemoryBudgetError, OptionsError, SolverError
+from autopar.core.mesh import Mesh
 
 
 class PipelineError(OptionsError):
@@ -115,6 +116,12 @@ class PipelinePlan:
         return (f"  pipeline: axis {self.axis}, {len(self.stages)} stages over {self.container} blocks [{ranges}], "
                 f"{self.schedule} with {self.microbatches} microbatches; bubble {self.bubble_s * 1e3:.3f} ms "
                 f"of {self.step_s * 1e3:.3f} ms")
+
+
+def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
+    """The mesh one stage runs on: `mesh` without the pipeline axis ((1,) if nothing is left)."""
+    rest = tuple(s for a, s in enumerate(mesh.shape) if a != axis)
+    return Mesh(rest or (1,))
 
 
 def check_request(mesh_shape: tuple[int, ...], axis: Any, microbatches: Any) -> None:

@@ -39,13 +39,17 @@ class Plan:
     cost_note: str = ""  # where the costs came from (preset, or profile and how many timings it lacked)
     discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/discovery.py)
     # stages, schedule and microbatches when a mesh axis pipelines (autopar/core/pipeline.py);
-    # the nodes and edges are then empty: each stage plans its own module on its sub-mesh
+    # the nodes and edges are then empty: each stage has its own plan, of its own module
+    # on its sub-mesh, in stage_plans
     pipeline: Optional[PipelinePlan] = None
     # blocks recomputed in backward instead of keeping their activations (the ILP's choice under a budget)
     recompute: tuple[RecomputedBlock, ...] = ()
     links: tuple[AxisLink, ...] = ()  # per mesh axis: the link its collectives were priced with, and its kind
     # of comm_s, the seconds that run under compute (gradient buckets under backward: cost_models/overlap.py)
     hidden_s: float = 0.0
+    # a pipelined plan: each stage's plan, in stage order (passes/pipeline_stages.py); empty
+    # when the stages are planned where they run (a profiled cost model times them there)
+    stage_plans: tuple["Plan", ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -101,6 +105,8 @@ class Plan:
             lines.append(f"  costs: {self.cost_note}")
         if self.pipeline is not None:
             lines.append(self.pipeline.summary())
+            lines.append(f"  stage plans: {len(self.stage_plans)} stored (the stages run without solving)"
+                         if self.stage_plans else "  stage plans: none stored (each stage solves where it runs)")
         if self.links:
             lines.append("  links: " + "; ".join(f"axis {a} {link}" for a, link in enumerate(self.links)))
         if self.unruled_ops:
@@ -177,7 +183,7 @@ class Plan:
     @staticmethod
     def from_dict(data: dict, source: str = "<dict>") -> "Plan":
         """A Plan from its JSON-ready form; PlanFileError naming `source` if it is not one."""
-        return Plan(**plan_io.plan_fields(data, source))
+        return Plan._of(plan_io.plan_fields(data, source), source)
 
     def to_json(self, path) -> None:
         """Save atomically as JSON: a reader sees the old file or the new one, never half."""
@@ -186,7 +192,13 @@ class Plan:
     @staticmethod
     def from_json(path) -> "Plan":
         """Load and validate a saved plan; PlanFileError naming the file if it is unusable."""
-        return Plan(**plan_io.load_fields(path))
+        return Plan._of(plan_io.load_fields(path), f"plan file {path}")
+
+    @staticmethod
+    def _of(fields: dict, source: str) -> "Plan":
+        """A Plan from plan_io's fields, whose stage plans are still JSON-ready dicts."""
+        stages = tuple(Plan.from_dict(d, f"{source}, stage {k}") for k, d in enumerate(fields["stage_plans"]))
+        return Plan(**{**fields, "stage_plans": stages})
 
     def digest(self) -> str:
         """A hash of everything that decides what the ranks run (placements and steps)."""
@@ -199,4 +211,6 @@ class Plan:
             h.update(repr((b.name, b.nodes)).encode())
         if self.pipeline is not None:  # absent from unpipelined plans, whose digest stays as it was
             h.update(repr(plan_io.pipeline_to_json(self.pipeline)).encode())
+        for stage in self.stage_plans:
+            h.update(stage.digest().encode())
         return h.hexdigest()[:16]

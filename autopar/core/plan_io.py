@@ -21,6 +21,8 @@ Schema version 1 (keys of the top-level object):
     cost_note         where the costs came from (preset, or profile and its missing timings)
     pipeline          only in pipelined plans: {axis, microbatches, schedule, container, blocks,
                       bubble_s, step_s, stages: [{index, rank, first, stop, step_s, send_bytes, send_s}]}
+    stage_plans       only in pipelined plans: [plan]: each stage's own plan (this schema, nested),
+                      in stage order (absent: the stages are planned where they run)
     recompute         [{name, nodes: [node]}]: blocks recomputed in backward (absent: none)
     links             [{kind: "intra" | "inter", name, alpha_s, beta_s_per_byte}]: per mesh axis, the link
                       its collectives were priced with (absent in older files: none recorded)
@@ -119,6 +121,8 @@ def plan_to_dict(plan: Any) -> dict:
     out = _plan_dict(plan)
     if getattr(plan, "pipeline", None) is not None:
         out["pipeline"] = pipeline_to_json(plan.pipeline)
+    if getattr(plan, "stage_plans", ()):
+        out["stage_plans"] = [plan_to_dict(stage) for stage in plan.stage_plans]
     return out
 
 
@@ -144,7 +148,8 @@ def _plan_dict(plan: Any) -> dict:
 
 
 def plan_fields(d: Any, source: str = "<dict>") -> dict:
-    """The keyword arguments of Plan(...) stored in `d`; PlanFileError naming `source` if
+    """The keyword arguments of Plan(...) stored in `d`, each stage plan still a dict (the
+    Plan class reads them with this function in turn); PlanFileError naming `source` if
     it is not a plan of this schema version or is damaged."""
     if not isinstance(d, dict) or d.get("schema") != SCHEMA:
         raise PlanFileError(f"{source} is not an autopar plan (no \"schema\": \"{SCHEMA}\" field)")
@@ -167,7 +172,8 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             cost_note=d.get("cost_note", ""), discovered_ops=tuple(d.get("discovered_ops", ())),
             links=tuple(AxisLink(LinkKind(a["kind"]), Link(float(a["alpha_s"]), float(a["beta_s_per_byte"]), a["name"]))
                         for a in d.get("links", ())),
-            pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None)
+            pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None,
+            stage_plans=tuple(d.get("stage_plans", ())))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e
     return _consistent(fields, source)
@@ -182,6 +188,10 @@ def _consistent(fields: dict, source: str) -> dict:
     if links and len(links) != ndim:
         raise PlanFileError(f"{source} records {len(links)} links for the {ndim} axes of mesh "
                             f"{fields['mesh'].shape}; 'links' needs one per axis (or none). {REMEDY}")
+    stages, pipeline = fields["stage_plans"], fields["pipeline"]
+    if stages and (pipeline is None or len(stages) != len(pipeline.stages)):
+        raise PlanFileError(f"{source} holds {len(stages)} stage plans for "
+                            f"{len(pipeline.stages) if pipeline else 'no'} pipeline stages. {REMEDY}")
     names = {n.name for n in fields["nodes"]}
     if fields["pipeline"] is None and "output" not in names:
         raise PlanFileError(f"{source} has no node 'output' among its {len(names)} nodes: its node list was cut "

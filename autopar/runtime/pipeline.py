@@ -5,16 +5,19 @@
     sub-mesh of the ranks whose coordinate is k -> torch's build_stage(pipe.info(), group:
     the pipeline axis) -> ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with loss_fn
 
-1. The first rank plans (passes/pipeline.py: stages chosen by the DP) and sends the plan
-   to every rank; a given Plan skips it. A plan without a pipeline (pipeline_axis="auto"
-   found that pipelining does not pay) runs as one ParallelModule over the whole mesh.
+1. The first rank plans (passes/pipeline.py: stages chosen by the DP, then every stage's
+   own plan, passes/pipeline_stages.py) and sends the plan to every rank; a given Plan
+   skips it. A plan without a pipeline (pipeline_axis="auto" found that pipelining does
+   not pay) runs as one ParallelModule over the whole mesh.
 2. Every rank makes the groups of every stage's sub-mesh and of the pipeline axis
-   (groups.stage_groups), splits the model with torch's own pipeline() at the plan's
-   block boundaries, and runs one microbatch through the split graph to learn what each
-   stage module is called with (its example inputs to trace and plan).
-3. Its stage module becomes a ParallelModule on the stage's sub-mesh (the ranks of that
-   sub-mesh trace, solve and agree among themselves). Stage outputs are full tensors, so
-   the next stage's ranks each receive the whole activation from their counterpart.
+   (groups.stage_groups), and splits the model as the planner did
+   (pipeline_stages.split_stages: torch's pipeline() at the plan's block boundaries, one
+   microbatch through the split graph to learn what each stage module is called with).
+3. Its stage module becomes a ParallelModule on the stage's sub-mesh, given the stage's
+   plan (the sub-mesh's ranks trace it together and check its fingerprint; none solves).
+   A plan without stage plans (a profiled cost model, which times each stage where it
+   runs) has the sub-mesh solve. Stage outputs are full tensors, so the next stage's
+   ranks each receive the whole activation from their counterpart.
 4. Gradients sent back: autopar gives each rank the exact gradient of its own block of
    an input (grad-sync steps complete replicated ones), so the full input gradient is the
    sum over the sub-mesh of the zero-padded blocks, divided by the number of ranks
@@ -26,7 +29,8 @@
    straight: floating in training (torch takes a gradient back from one reader only), any
    under the interleaved schedule. A relaying stage returns a copy of the relay input
    after its own outputs (StageModule.forward); its own program never sees it.
-7. What torch's schedules still cannot run is refused up front, naming the value (check_skips).
+7. What torch's schedules still cannot run is refused up front, naming the value
+   (pipeline_stages.check_skips).
 8. State (autopar/runtime/pipeline_state.py): full_state_dict / load_full_state_dict under
    the original model's names, and the per-rank view training checkpoints save and load.
 """
@@ -46,12 +50,13 @@ from autopar import _compat
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.core.pipeline import PipelineError, Schedule
+from autopar.core.pipeline import PipelineError, Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.emit import check_fingerprint
-from autopar.passes.pipeline import microbatch_inputs, plan_model, stage_mesh
-from autopar.passes.pipeline_relay import Relayed, relay_skips
+from autopar.passes.pipeline import microbatch_inputs, plan_model
+from autopar.passes.pipeline_relay import Relayed
+from autopar.passes.pipeline_stages import split_stages, stage_inputs, stage_options
 from autopar.passes.planning import trace_for_planning
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
@@ -169,30 +174,25 @@ class PipelinedModule:
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, p.microbatches)
         self.pipe_group = pipe_group
         self.tied = tied_parameters(model)
-        pipe = split_model(model, mb_args, mb_kwargs, p.split_points)
-        own_modules = [pipe.get_stage_module(k) for k in range(len(p.stages))]  # before relaying (step 6)
-        self._remember_state(model, own_modules)
-        interleaved, training = p.schedule is Schedule.INTERLEAVED_1F1B, self.plan.training
-        relays = relay_skips(pipe.split_gm, lambda val: interleaved or (training and val.is_floating_point()))
-        examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
-        check_skips(pipe, values, self.plan.training, p.schedule)
+        split = split_stages(model, mb_args, mb_kwargs, p, self.plan.training)
+        self._remember_state(model, list(split.modules))
         coordinate = mesh.coords(dist.get_rank())[p.axis]
-        stage_options = replace(self.options, pipeline_axis=None, microbatches=1)
         torch_stages = []
         for stage in p.stages:
             if stage.rank != coordinate:
                 continue
-            # stage 0 is called as the user calls the model (keywords stay keywords)
-            ins, kw = (mb_args, mb_kwargs) if stage.index == 0 else examples[stage.index]
-            pm = ParallelModule(own_modules[stage.index], stage_mesh(mesh, p.axis), stage_options, groups=sub_groups)
-            module = StageModule(pm, sub_groups.group, pipe.get_stage_module(stage.index), relays.get(stage.index),
-                                 first=stage.index == 0)
+            ins, kw = stage_inputs(split, stage.index, mb_args, mb_kwargs)
+            given = self.plan.stage_plans[stage.index] if self.plan.stage_plans else None
+            pm = ParallelModule(split.modules[stage.index], stage_mesh(mesh, p.axis), stage_options(self.options),
+                                given, groups=sub_groups)
+            module = StageModule(pm, sub_groups.group, split.pipe.get_stage_module(stage.index),
+                                 split.relays.get(stage.index), first=stage.index == 0)
             module.prepare(ins, kw)
             self.stages.append(module)
             self.stage_indices.append(stage.index)
             # torch's stage for a pipeline() split: it routes every value to the stage that
             # reads it, as the graph says (after relaying: the next stage)
-            torch_stages.append(pp.build_stage(module, stage.index, pipe.info(), device, pipe_group))
+            torch_stages.append(pp.build_stage(module, stage.index, split.pipe.info(), device, pipe_group))
         schedule = SCHEDULES[p.schedule]
         if p.schedule is Schedule.INTERLEAVED_1F1B:
             return schedule(torch_stages, n_microbatches=p.microbatches, loss_fn=self.loss_fn)
@@ -209,6 +209,11 @@ class PipelinedModule:
         held = {original_name(n, self.originals) for m in modules for n in m.state_dict()}
         self.unread = {n: t.detach().clone() for n, t in state.items() if n not in held}
         self.transient = {n: t.detach().clone() for n, t in model.named_buffers() if n not in state}
+
+    @property
+    def solve_count(self) -> int:
+        """ILP solves this rank's modules ran (0 when every stage was given its plan)."""
+        return sum(pm.solve_count for pm in ([self.plain] if self.plain is not None else [s.pm for s in self.stages]))
 
     def _own_stages(self) -> list[tuple[int, ParallelModule]]:
         return [(k, s.pm) for k, s in zip(self.stage_indices, self.stages)]
@@ -313,67 +318,3 @@ def _as_pipeline_output(out: Any) -> Any:
     (a ModelOutput's logits alone when it has only those)."""
     leaves = [x for x in _compat.tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     return leaves[0] if len(leaves) == 1 else tuple(leaves)
-
-
-def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, ...]) -> Any:
-    """torch's pipeline() split before each module path in `points`. pipeline() wraps the
-    forward of those modules in place; they are unwrapped again, so the user's model is
-    left as it was (and can be split again)."""
-    split = {name: pp.SplitPoint.BEGINNING for name in points}
-    try:
-        return pp.pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split)
-    finally:
-        for name in points:
-            module = model.get_submodule(name)
-            for attr in ("forward", "_orig_forward"):
-                module.__dict__.pop(attr, None)
-
-
-class _StageInputs(torch.fx.Interpreter):
-    """Runs the split graph once, recording what each stage module is called with and
-    every value the graph passes between stages."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.calls: list[tuple[tuple, dict]] = []
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        self.values[n.name] = out = super().run_node(n)
-        return out
-
-    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        self.calls.append((tuple(args), dict(kwargs)))
-        return super().call_module(target, args, kwargs)
-
-
-def _stage_examples(pipe: Any, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], dict[str, Any]]:
-    """Per stage: (its positional inputs, its keyword inputs) for one microbatch (step 2),
-    and every value the split graph passed, by node name."""
-    placeholders = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
-    values = list(args) + [kwargs[name] for name in placeholders[len(args):]]
-    recorder = _StageInputs(pipe.split_gm)
-    with torch.no_grad():
-        recorder.run(*values)
-    return recorder.calls, recorder.values
-
-
-def check_skips(pipe: Any, values: dict[str, Any], training: bool, schedule: Schedule) -> None:
-    """A PipelineError for a value still read by more than one stage after relaying (step
-    6 relays what the stages make; a model input read past the first stage is not
-    relayed) where torch cannot run it: a floating one in training (its gradient would go
-    back to several stages), any under the interleaved schedule (adjacent stages only)."""
-    for node in pipe.split_gm.graph.nodes:
-        readers = [u.name for u in node.users if u.op == "call_module"]
-        value = values.get(node.name)
-        if len(readers) < 2 or not isinstance(value, torch.Tensor):
-            continue
-        what = (f"value {node.name} (shape {tuple(value.shape)}, {value.dtype}) is read by {len(readers)} "
-                f"stages ({', '.join(readers)}); only values the stages make are relayed between them")
-        if schedule is Schedule.INTERLEAVED_1F1B:
-            raise PipelineError(f"{what}; torch's interleaved schedule passes values between adjacent stages only. "
-                                "Use pipeline_schedule='1f1b' or 'gpipe'")
-        if training and value.is_floating_point():
-            raise PipelineError(f"{what}; torch.distributed.pipelining cannot send its gradient back to more than "
-                                "one stage in training ('skip connections'). Compute what the later blocks need "
-                                "from it before the first block, or plan without pipeline_axis")
