@@ -64,7 +64,8 @@ def main() -> int:
 
 
 def _overall(report: dict) -> str:
-    """One row per task: counts per category, then planning time against the goal."""
+    """One row per task: counts per category, planning time against the goal, and where
+    the ranks ran, the simulator's pass rate beside the ranks'."""
     shown = [c for c in CATEGORIES if any(r["counts"][c] for r in report.values())]
     width = {c: len(c) + 2 for c in shown}
     lines = [f"{'task':<22}" + "".join(f"{c:>{width[c]}}" for c in shown) + f"{'plan med s':>12}{'plan max s':>12}"]
@@ -73,7 +74,37 @@ def _overall(report: dict) -> str:
         lines.append(f"{task:<22}" + "".join(f"{r['counts'][c]:>{width[c]}}" for c in shown)
                      + f"{plan['median']:12.2f}{plan['max']:12.2f}")
     lines.append(f"planning goal: median under {PLAN_MEDIAN_GOAL_S:g} s, none over {PLAN_MAX_GOAL_S:g} s")
+    if any(r["options"]["ranks"] for r in report.values()):
+        lines += ["", rank_table(report)]
     return "\n".join(lines)
+
+
+def rank_table(report: dict) -> str:
+    """Per task: architectures autopar traced, how many of them pass the simulator, how
+    many of those pass on real gloo ranks, and each rank failure in one line."""
+    head = f"{'task':<22}{'mode':<11}{'exported':>9}{'simulator':>11}{'on ranks':>10}{'ranks / simulator':>19}"
+    lines, failures = [head], []
+    for task, r in report.items():
+        rows = r["results"]
+        exported = [x for x in rows if x["outcome"] == "pass" or x["stage"] in ("trace", "plan", "simulate", "ranks")]
+        simulated = [x for x in exported if x["outcome"] == "pass" or x["stage"] == "ranks"]
+        ranked = [x for x in simulated if x["outcome"] == "pass"]
+        share = f"{100 * len(ranked) / len(simulated):.1f} %" if simulated else "-"
+        mode = "training" if r["options"]["training"] else "inference"
+        lines.append(f"{task:<22}{mode:<11}{len(exported):>9}{len(simulated):>11}{len(ranked):>10}{share:>19}")
+        failures += [f"  {task} {x['arch']}: {x['category']}: {_gist(x['cause'])}" for x in simulated
+                     if x["outcome"] != "pass"]
+    return "\n".join(lines + (["", "failures on ranks:"] + failures if failures else []))
+
+
+def _gist(cause: str) -> str:
+    """A failure's one line: which rank, and the exception a traceback ends with."""
+    lines = [line.strip() for line in cause.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    where = lines[0].split(":")[0] if lines[0].startswith("rank ") else ""
+    said = lines[-1] if "Traceback" in cause else lines[0]
+    return f"{where}: {said}"[:200] if where and not said.startswith(where) else said[:200]
 
 
 if __name__ == "__main__":

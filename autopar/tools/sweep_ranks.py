@@ -167,8 +167,10 @@ def _rank_main(rank: int, world: int, tmp: str, batch: list[RankJob], mesh: tupl
         open(_path(tmp, index, rank, "begun"), "w").close()
         try:
             report = _verify(job, mesh, limit_s)
-        except Exception:  # noqa: BLE001 - reported; the parent ends these ranks
-            write_json_atomic(_path(tmp, index, rank, "json"), _report(Outcome.ERROR, traceback.format_exc()[-1500:]))
+        except Exception as e:  # noqa: BLE001 - reported; the parent ends these ranks
+            said = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            write_json_atomic(_path(tmp, index, rank, "json"),
+                              _report(Outcome.ERROR, f"{said}\n{traceback.format_exc()[-1500:]}"))
             return
         write_json_atomic(_path(tmp, index, rank, "json"), report)
     dist.destroy_process_group()
