@@ -21,6 +21,10 @@ thread's Python stack. The log of every job that did not end ok is kept under --
 and the last lines print the counts per kind and per outcome:
 
     soak: 120 jobs in 60.1 min: ok 120, mismatch 0, abort at exit 0, failed 0, hang 0
+
+Run a long soak from a clone, so that edits to the working tree do not reach its jobs; with
+an editable install, also put bench/isolate on PYTHONPATH and name the clone in
+AUTOPAR_ROOT (bench/isolate/sitecustomize.py says why).
 """
 
 from __future__ import annotations
