@@ -153,7 +153,8 @@ def test_a_pipelined_plan_splits_its_step_into_compute_and_comm_as_its_stages_pl
     monkeypatch.setattr(pipeline.SubMeshSolves, "__call__", lambda self, mesh, axis: subs.append(
         solve(self, mesh, axis)) or subs[-1])
     # 1024 wide: each block's 48 MiB of parameters fills its own gradient bucket, so some hide
-    model, kw = build("gpt2", n_layer=4, n_embd=1024, n_head=16).train(), inputs("gpt2", batch=16, seq=256)[1]
+    model = build("gpt2", n_layer=4, n_embd=1024, n_head=16, n_positions=256).train()
+    kw = inputs("gpt2", batch=16, seq=256)[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.plan(model, (), kw, mesh=(2, 2), pipeline_axis=0, microbatches=2)
