@@ -87,6 +87,10 @@ def test_pipelined_plan_records_stages_and_round_trips(gpt2_plans):
     again = Plan.from_dict(piped.to_dict())
     assert again == piped and again.digest() == piped.digest()
     assert dataclasses.replace(piped, stage_plans=piped.stage_plans[::-1]).digest() != piped.digest()
+    cut = piped.to_dict()
+    cut["stage_plans"] = cut["stage_plans"][:1]  # a hand-edited file that lost a stage's plan
+    with pytest.raises(autopar.PlanFileError, match="holds 1 stage plans for 2 pipeline stages"):
+        Plan.from_dict(cut, "pipelined.json")
     other = dataclasses.replace(piped, pipeline=dataclasses.replace(p, microbatches=4))
     assert other.digest() != piped.digest()  # ranks with different schedules never agree
     assert "pipeline" not in plain.to_dict() and plain.pipeline is None
