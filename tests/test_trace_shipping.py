@@ -11,7 +11,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 
 import pytest

@@ -50,7 +50,7 @@ from autopar import _compat
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.core.pipeline import PipelineError, Schedule, stage_mesh
+from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.emit import check_fingerprint
