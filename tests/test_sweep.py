@@ -188,6 +188,35 @@ def test_a_difference_that_float64_keeps_is_a_mismatch():
     assert stopped.value.outcome is Outcome.MISMATCH and "in float64 too" in stopped.value.cause
 
 
+class _OwnFloat32(torch.nn.Module):
+    """Parts computed in float32 whatever the model's dtype, each way models write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x).float()
+        scale = torch.arange(8, dtype=torch.float) / 8
+        p = torch.softmax(h * scale, dim=-1, dtype=torch.float32)
+        return p.to(torch.float32).type(torch.float32).to(x.dtype)
+
+
+def test_float64_math_runs_a_models_own_float32_parts_in_float64():
+    from autopar.tools.float64_check import float64_math, in_float64
+    model, kwargs = in_float64(_OwnFloat32(), {"x": torch.randn(4, 8)})
+    x = kwargs["x"]
+    low = model(x)
+    with float64_math():
+        high = model(x)
+        traced = trace(model, (x,), {})
+    exact = torch.softmax(model.proj(x) * (torch.arange(8, dtype=torch.float64) / 8), dim=-1)
+    assert high.dtype is torch.float64 and torch.equal(high, exact)
+    assert (low - exact).abs().max() > 1e-12, "the model no longer rounds in float32 outside the mode"
+    dtypes = {a for n in traced.gm.graph.nodes for a in [*n.args, *n.kwargs.values()] if isinstance(a, torch.dtype)}
+    assert torch.float32 not in dtypes, "a float32 cast was traced"
+
+
 def test_per_stage_dropout_lists_are_zeroed():
     """CvT's drop_path_rate is a per-stage list ([0.0, 0.0, 0.1] by default): its last
     stage's stochastic depth draws torch.rand in training, so the sweep's loss differed
@@ -260,3 +289,17 @@ def test_a_failed_architecture_ends_its_ranks_and_fresh_ones_go_on(tmp_path):
     assert "PlanFileError" in results["gpt2"].cause and missing in results["gpt2"].cause
     assert results["gpt2"].cause.startswith("rank ")
     assert results["llama"].outcome is Outcome.PASS, results["llama"].cause
+
+
+@pytest.mark.slow
+def test_a_models_own_float32_parts_run_in_float64_in_the_rank_recheck():
+    """Gemma 4 computes its norms, q/k/v projections and softmax in float32 whatever its
+    dtype. On 4 ranks its fp32 gradients (the tied head's) miss fp32's tolerance by
+    rounding; the re-check in float64 must run those parts in float64 too, or it keeps
+    their 1e-7 rounding and calls the architecture a mismatch."""
+    from autopar.tools.sweep_configs import Tiny
+    from autopar.tools.sweep_ranks import RankJob, run_on_ranks
+    jobs = [RankJob(Tiny("gemma4_text", "Gemma4ForCausalLM", Task.CAUSAL_LM, training=True))]
+    result = run_on_ranks(jobs, (4,), limit_s=300)["gemma4_text"]
+    assert result.outcome is Outcome.PASS, result.cause
+    assert result.float64_only, "fp32 matched: the case no longer reaches the float64 re-check"

@@ -48,7 +48,8 @@ from autopar.cost_models.devices import DeviceSpec
 from autopar.passes.planning import plan_traced
 from autopar.passes.trace import trace
 from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run, simulate_against
-from autopar.tools.sweep_configs import Task, Tiny, architectures, in_float64
+from autopar.tools.float64_check import float64_math, in_float64
+from autopar.tools.sweep_configs import Task, Tiny, architectures
 from autopar.tools.sweep_ranks import Outcome, RankJob, RankResult, run_on_ranks
 
 
@@ -216,13 +217,13 @@ def _simulate_in_float64(model: torch.nn.Module, kwargs: dict, options: SweepOpt
     by more than assert_close's fp32 rtol (1.3e-6) although the math is the same. The same
     model and inputs in float64, traced, planned and simulated again, must then match one
     device at float64's tolerances (rtol 1e-7, atol 1e-7: some 1e8 times the unit
-    roundoff, far below any real mistake's size). A model that computes parts in fp32
-    whatever its dtype keeps fp32 rounding and still fails here: it is reported as a
-    mismatch."""
+    roundoff, far below any real mistake's size). The parts a model computes in float32
+    whatever its dtype run in float64 too (float64_check.float64_math), on both sides."""
     model64, kwargs64 = in_float64(copy.deepcopy(model), kwargs)
-    traced = trace(model64, (), kwargs64)
-    plan = plan_traced(traced, Mesh.of(options.mesh), Options(device=options.device, training=options.training))[1]
-    simulate_against(model64, (), kwargs64, traced, plan)
+    with float64_math():
+        traced = trace(model64, (), kwargs64)
+        plan = plan_traced(traced, Mesh.of(options.mesh), Options(device=options.device, training=options.training))[1]
+        simulate_against(model64, (), kwargs64, traced, plan)
 
 
 # ---- the sweep: one forked worker per architecture -----------------------------------

@@ -383,14 +383,3 @@ class Tiny:
         model.train(self.training)
         return model, example_inputs(self.task, config, self.model_class, self.batch, self.seq)
 
-
-def in_float64(model: torch.nn.Module, kwargs: dict) -> tuple[torch.nn.Module, dict]:
-    """The model (in place) and its inputs in float64, for the sweep's re-check of an fp32
-    difference. Mixture-of-experts layers that run on torch._grouped_mm, which has no
-    float64 kernel, switch to transformers' batched_mm experts (each token's expert weights
-    gathered, then batched matmuls): the same math, and traceable, where the eager loop
-    over experts is not (its trip count depends on the routing)."""
-    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "grouped_mm":
-        model.set_experts_implementation("batched_mm")
-    kwargs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
-    return model.double(), kwargs

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.core.files import write_json_atomic
-from autopar.tools.sweep_configs import Tiny, in_float64
+from autopar.tools.float64_check import float64_math, in_float64
+from autopar.tools.sweep_configs import Tiny
 
 # A chunk's first architecture also waits for the ranks to start (forked, so mostly the
 # rendezvous and the first model's imports).
@@ -191,8 +192,9 @@ def _verify(job: RankJob, mesh: tuple[int, ...], limit_s: float) -> dict:
         if every.item():
             return _report(Outcome.PASS, str(report))
         model, kwargs = in_float64(*tiny.build())
-        again = verify(model, (), kwargs, mesh=mesh, device=CHEAP_COMM, training=tiny.training,
-                       rtol=1e-7, atol=1e-7, collective_timeout_s=limit_s)
+        with float64_math():
+            again = verify(model, (), kwargs, mesh=mesh, device=CHEAP_COMM, training=tiny.training,
+                           rtol=1e-7, atol=1e-7, collective_timeout_s=limit_s)
     text = f"fp32: {report}\nfloat64: {again}"
     return _report(Outcome.PASS if again.ok else Outcome.MISMATCH, text, float64=True)
 
