@@ -192,9 +192,11 @@ def export_program(model: nn.Module, args: tuple = (), kwargs: dict | None = Non
     tensors, in_spec, consts = flatten_inputs(args, dict(kwargs or {}))
     wrapper = _TensorLeafCall(model, in_spec, consts, param_dtype)
     name = type(model).__name__
-    # 2. export
+    # 2. export, always with gradients on: the caller's grad mode must not shape the
+    # program (under no_grad torch picks other kernels, whose outputs' strides drop a
+    # `contiguous` from the graph), or a plan made in one mode fails in the other
     try:
-        with kv_cache_off(model), custom_functions_applied() as custom:
+        with torch.enable_grad(), kv_cache_off(model), custom_functions_applied() as custom:
             ep = torch.export.export(wrapper, tuple(tensors), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # noqa: BLE001 - quote torch.export's reason, whatever its type
         if dynamic_shapes is not None and "Constraints violated" in str(e):

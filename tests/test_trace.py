@@ -61,6 +61,34 @@ def test_fingerprint_does_not_depend_on_the_device():
     assert on_cpu.fingerprint == on_meta.fingerprint
 
 
+class ChoosesByGradMode(nn.Module):
+    """Stands for torch's own kernel choices: under no_grad SDPA may take a kernel whose
+    output strides make a later `.contiguous()` a no-op that the trace drops (doge)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).contiguous() if torch.is_grad_enabled() else x.transpose(0, 1).clone()
+
+
+def test_the_callers_grad_mode_does_not_shape_the_trace():
+    # a plan made in grad mode (as planning offline is) must fit a call under no_grad
+    with torch.enable_grad():
+        with_grad = trace(ChoosesByGradMode().eval(), (torch.randn(2, 8),))
+    with torch.no_grad():
+        without = trace(ChoosesByGradMode().eval(), (torch.randn(2, 8),))
+    assert with_grad.fingerprint == without.fingerprint
+
+
+@pytest.mark.slow
+def test_doge_traces_alike_with_and_without_gradients():
+    from autopar.tools.sweep_configs import Task, Tiny
+    prints = []
+    for grad in (True, False):
+        model, kwargs = Tiny("doge", "DogeForCausalLM", Task.CAUSAL_LM, training=False).build()
+        with torch.set_grad_enabled(grad):
+            prints.append(trace(model, (), kwargs).fingerprint)
+    assert prints[0] == prints[1]
+
+
 class FailsToExport(nn.Module):
     def __init__(self) -> None:
         super().__init__()
