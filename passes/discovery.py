@@ -41,6 +41,8 @@ import torch
 from autopar import _compat
 from autopar.core.placement import P, Placement, R, Shard, Spec, TensorMeta
 from autopar.passes.rules import AxisRule, OpCall, Strategy, TensorArg
+from autopar.passes.rules.local import SIZE_ARG_OPS
+from autopar.passes.simulate import assemble, run_blocks
 
 DISCOVERY_MAX_ELEMENTS = 1 << 20  # per call, summed over inputs and outputs
 MAX_INPUT_PATTERNS = 64  # input layouts tried per op, over all candidates
@@ -51,7 +53,6 @@ SEEDS = (0, 1)
 def discover(call: OpCall) -> Optional[list[AxisRule]]:
     """Every verified per-axis rule of `call` (replication first), or None when the op
     cannot be tried (no tensor inputs, too large, random, or failing on random data)."""
-    from autopar.passes.rewrite import SIZE_ARG_OPS  # rewrite imports strategies, which imports this
     if not call.inputs or not call.outputs or _writes_inputs(call.target) or call.target in SIZE_ARG_OPS:
         return None  # SIZE_ARG_OPS (hand rules in views.py) run shard by shard as their output layout says
     if sum(prod(m.shape) for m in call.inputs + call.outputs) > DISCOVERY_MAX_ELEMENTS:
@@ -189,7 +190,6 @@ def _holding_outputs(call: OpCall, trials: list[_Trial], ins: tuple[Placement, .
     when the inputs are laid out as `ins` (step 2's tests): the op runs shard by shard once
     per draw and shard count, and each output's layouts are checked on those blocks (a rule holds when every output does, so the product of these lists
     is exactly the rules that hold, in the order of product(*out_choices))."""
-    from autopar.passes.simulate import run_blocks
     holding = [list(c) for c in out_choices]
     none: list[list[Placement]] = [[] for _ in out_choices]
     for n in SHARD_COUNTS:
@@ -213,7 +213,6 @@ def _holding_outputs(call: OpCall, trials: list[_Trial], ins: tuple[Placement, .
 
 
 def _reassembles(blocks: dict, spec: Spec, n: int, want: torch.Tensor, first: bool) -> bool:
-    from autopar.passes.simulate import assemble
     if not spec.fits((n,)):
         return not first  # an output split that does not divide in two never holds; in four it is not tried
     try:

@@ -30,27 +30,19 @@ from torch import fx, nn
 from autopar import _compat
 from autopar.core.errors import PlanFileError
 from autopar.core.kinds import NodeKind, StepKind
-from autopar.core.placement import Spec, block_index
+from autopar.core.placement import Spec
 from autopar.core.resharding import Step, with_units
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan
 from autopar.passes.dynamic import is_symbolic
-from autopar.passes.local_ops import embedding_block
 from autopar.passes.program import StepModule, WaitModule
+from autopar.passes.rules.local import LOCAL_TARGET, SIZE_ARG_OPS, localize_call
 from autopar.passes.strategies import OUTPUT
 from autopar.passes.trace import TracedGraph
 
 aten = torch.ops.aten
 
-# ops whose argument 1 is the output size: it must become the local size
-SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
-# a local block can be laid out otherwise than the whole tensor was (a shard cut along an
-# inner dim, a gathered result), so a view that was legal on the whole may not be on the
-# block: reshape views where it can and copies where it must. Graphs are functional where
-# values are written (passes/trace.py), so no write relies on the aliasing.
-LOCAL_TARGET = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
-
 
 def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = None, defer_grad_sync: bool = False,
             coords: Optional[tuple[int, ...]] = None) -> fx.GraphModule:
@@ -199,37 +191,6 @@ def local_sizes(graph: fx.Graph, sizes: Any, output: Spec, mesh_shape: tuple[int
         else:
             out.append(size // ways)
     return out
-
-
-def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
-                  coords: Optional[tuple[int, ...]] = None) -> tuple:
-    """Arguments that spell the output's global size become the local size: the block of
-    the rank at `coords` (an uneven shard's last blocks are short), else the largest."""
-    if target in SIZE_ARG_OPS and outputs:
-        out = outputs[0]
-        shape = out.local_shape(mesh_shape) if coords is None else out.local_shape_at(mesh_shape, coords)
-        return (args[0], list(shape)) + tuple(args[2:])
-    return args
-
-
-def localize_call(target: Any, args: tuple, inputs: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
-                  coords: Optional[tuple[int, ...]], sizes_done: bool = False) -> tuple[Any, tuple]:
-    """The (target, args) the rank at `coords` runs for a node under a strategy with
-    these input and output specs: shape arguments made local (unless `sizes_done`:
-    local_sizes made them so), and ops whose sharded form is another op
-    (passes/local_ops.py) replaced."""
-    if not sizes_done:
-        args = localize_args(target, args, outputs, mesh_shape, coords)
-    if target is aten.squeeze.default and inputs:
-        # squeeze() drops every unit dim, and a dim split to one element per rank is a unit
-        # dim locally: drop only the dims that are unit dims of the whole tensor
-        return aten.squeeze.dims, (args[0], [d for d, n in enumerate(inputs[0].meta.shape) if n == 1])
-    if target is aten.embedding.default and inputs and inputs[0].shard_axes(0):
-        if coords is None:
-            raise ValueError("a vocabulary-split embedding needs the rank's mesh coordinates")
-        start = block_index(inputs[0], mesh_shape, coords)[0].start
-        return embedding_block, (args[0], args[1], start) + tuple(args[2:])
-    return target, args
 
 
 def _map_tensor_args(tree: Any, consumer: str, env: dict, edges: dict, resharded) -> Any:

@@ -18,7 +18,7 @@ import torch
 
 from autopar import _compat
 from autopar.core.placement import Partial, Replicate, Shard, Spec, TensorMeta, local_chunk
-from autopar.passes.rewrite import localize_call
+from autopar.passes.rules.local import localize_call
 from autopar.passes.rules import OpCall, Strategy, TensorArg
 
 
@@ -102,7 +102,7 @@ def run_sharded(target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh
 def run_blocks(target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh_shape: tuple[int, ...],
                seed: int = 0) -> list[dict]:
     """Steps 1 and 2: for each output, mesh coordinates -> that coordinate's block. The
-    output specs matter only to ops whose arguments spell a size (rewrite.SIZE_ARG_OPS)."""
+    output specs matter only to ops whose arguments spell a size (rules/local.py SIZE_ARG_OPS)."""
     gen = torch.Generator().manual_seed(seed)
     leaves, tree = _compat.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]

@@ -127,7 +127,7 @@ def test_hand_plans_run_and_match(four_ranks, model, style):
 
 def test_vocab_parallel_embedding_matches(four_ranks):
     # the table split by vocabulary over both axes; each rank looks up only its rows
-    # (passes/local_ops.py) and the partial sums are all-reduced
+    # (passes/rules/local.py) and the partial sums are all-reduced
     per_rank = four_ranks[_key(cases.vocab_parallel_embedding, dict(mesh=(2, 2)))]
     assert per_rank[0]["weight"] == "S(0)S(0)" and per_rank[0]["embedding"] == "PP"
     _check_forward(per_rank)

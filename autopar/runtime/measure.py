@@ -38,7 +38,7 @@ from autopar.core.plan import Plan
 from autopar.cost_models.profile import COLLECTIVES, Profile, compute_key, fit_alpha_beta, program_key
 from autopar.passes.emit import emit, local_inputs
 from autopar.passes.program import bind
-from autopar.passes.rewrite import localize_call
+from autopar.passes.rules.local import localize_call
 from autopar.passes.trace import TracedGraph
 from autopar.passes.rules import TensorArg
 from autopar.passes.strategies import AnnotatedGraph

@@ -91,7 +91,7 @@ def embedding(call: OpCall) -> list[AxisRule]:
     out_last = call.outputs[0].ndim - 1
     rules = [AxisRule((R, R), (R,)), AxisRule((Shard(1), R), (Shard(out_last),))]
     rules += [AxisRule((R, Shard(d)), (Shard(d),)) for d in range(idx.ndim)]
-    if weight.dtype.is_floating_point:  # vocabulary split: each rank looks up its rows (passes/local_ops.py)
+    if weight.dtype.is_floating_point:  # vocabulary split: each rank looks up its rows (passes/rules/local.py)
         rules.append(AxisRule((Shard(0), R), (P,)))
     return rules
 

@@ -1,0 +1,76 @@
+"""The local form of each op: what the rank at some mesh coordinates runs for a node,
+given the specs its strategy chose. Most ops run as they are on the local blocks; these
+do not:
+
+    view, reshape,       argument 1 spells the output's size: it becomes the local
+    _unsafe_view, expand block's size (and view becomes reshape: a block can be laid
+                         out otherwise than the whole tensor was)
+    squeeze()            drops only the dims that are unit dims of the whole tensor (a
+                         dim split to one element per rank is a unit dim locally)
+    embedding            with a vocabulary-split weight, embedding_block (Megatron's
+                         vocab-parallel embedding): rows [start, start + local rows) live
+                         here; ids outside look up nothing and give zeros, so the ranks'
+                         outputs sum to the full lookup (the rule's output is P)
+
+The rewrite (passes/rewrite.py), the simulator (passes/simulate.py), rule discovery and
+the runtime's measurements all run ops through localize_call, so a rank, the simulator
+and the solver's timings run the same local form.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from autopar.core.placement import block_index
+
+aten = torch.ops.aten
+
+# ops whose argument 1 is the output size: it must become the local size
+SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+# a local block can be laid out otherwise than the whole tensor was (a shard cut along an
+# inner dim, a gathered result), so a view that was legal on the whole may not be on the
+# block: reshape views where it can and copies where it must. Graphs are functional where
+# values are written (passes/trace.py), so no write relies on the aliasing.
+LOCAL_TARGET = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
+
+
+def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
+                  coords: Optional[tuple[int, ...]] = None) -> tuple:
+    """Arguments that spell the output's global size become the local size: the block of
+    the rank at `coords` (an uneven shard's last blocks are short), else the largest."""
+    if target in SIZE_ARG_OPS and outputs:
+        out = outputs[0]
+        shape = out.local_shape(mesh_shape) if coords is None else out.local_shape_at(mesh_shape, coords)
+        return (args[0], list(shape)) + tuple(args[2:])
+    return args
+
+
+def localize_call(target: Any, args: tuple, inputs: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
+                  coords: Optional[tuple[int, ...]], sizes_done: bool = False) -> tuple[Any, tuple]:
+    """The (target, args) the rank at `coords` runs for a node under a strategy with
+    these input and output specs: shape arguments made local (unless `sizes_done`:
+    local_sizes made them so), and ops whose sharded form is another op replaced."""
+    if not sizes_done:
+        args = localize_args(target, args, outputs, mesh_shape, coords)
+    if target is aten.squeeze.default and inputs:
+        # squeeze() drops every unit dim, and a dim split to one element per rank is a unit
+        # dim locally: drop only the dims that are unit dims of the whole tensor
+        return aten.squeeze.dims, (args[0], [d for d, n in enumerate(inputs[0].meta.shape) if n == 1])
+    if target is aten.embedding.default and inputs and inputs[0].shard_axes(0):
+        if coords is None:
+            raise ValueError("a vocabulary-split embedding needs the rank's mesh coordinates")
+        start = block_index(inputs[0], mesh_shape, coords)[0].start
+        return embedding_block, (args[0], args[1], start) + tuple(args[2:])
+    return target, args
+
+
+def embedding_block(weight: torch.Tensor, indices: torch.Tensor, start: int, padding_idx: int = -1,
+                    scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    rows = weight.shape[0]
+    local = indices - start
+    inside = (local >= 0) & (local < rows)
+    pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
+    out = aten.embedding.default(weight, local.clamp(0, rows - 1), pad, scale_grad_by_freq, sparse)
+    return out * inside.unsqueeze(-1).to(out.dtype)
