@@ -24,6 +24,8 @@ from enum import Enum
 from functools import cache
 from typing import Mapping, Optional
 
+import numpy as np
+
 from autopar.core.errors import SolverError
 from autopar.core.options import Options
 
@@ -131,7 +133,6 @@ EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1
 
 
 def _run_highs(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tuple[float, ...], float, Optional[float]]:
-    import numpy as np  # highspy's own dependency
     h = _quiet_highs()
     h.setOptionValue("time_limit", float(time_limit_s))
     lp = highspy.HighsLp()

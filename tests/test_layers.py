@@ -122,3 +122,75 @@ def test_no_import_statement_points_up(module):
         if target is not None and target > own:
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert bad == [], "\n".join(bad)
+
+
+# passes/ in the order of its stages: a module imports from its own stage or earlier ones
+PASS_STAGES = (
+    ("trace", ("canonical", "custom_grad", "dynamic", "functionalize", "higher_order", "trace", "saved")),
+    ("rules", ("rules", "simulate")),  # per-op rules, each op's local form, and running an op block by block
+    ("strategies", ("discovery", "strategies", "clusters")),
+    ("solve", ("solver_backend", "ilp_terms", "ilp", "recompute_ilp", "ilp_overlap", "dominance", "solve")),
+    ("plan", ("planning", "hand_plans", "buffer_layouts", "pipeline_relay", "pipeline_split", "pipeline_stages",
+              "pipeline")),
+    ("lower", ("program", "recompute", "schedule", "rewrite", "emit", "simulate_mesh")),
+)
+# imports a function may make: optional dependencies, and torch subsystems loaded only
+# where used (version shims in _compat, checkpointing, DTensor, export's serialiser)
+FUNCTION_IMPORTS_ALLOWED = (
+    "transformers", "safetensors", "matplotlib",
+    "pulp",  # the CBC fallback where HiGHS is missing: 0.4 s to import, so only then
+    "torch",
+)
+
+
+def _stage_of(module: str) -> int:
+    first = module[len("autopar.passes."):].split(".")[0]
+    return next(i for i, (_, members) in enumerate(PASS_STAGES) if first in members)
+
+
+def _pass_files() -> list[tuple[str, pathlib.Path]]:
+    folder = SOURCE_DIRS["autopar.passes"]
+    return [(".".join(["autopar.passes", *[p for p in f.relative_to(folder).with_suffix("").parts if p != "__init__"]]),
+             f) for f in sorted(folder.rglob("*.py")) if f.relative_to(folder).as_posix() != "__init__.py"]
+
+
+def test_every_pass_has_a_stage():
+    missing = [m for m, _ in _pass_files() if not any(m[len("autopar.passes."):].split(".")[0] in members
+                                                      for _, members in PASS_STAGES)]
+    assert missing == [], f"add these passes/ modules to a stage of PASS_STAGES: {missing}"
+
+
+def test_passes_import_in_stage_order():
+    bad = []
+    for module, path in _pass_files():
+        own = _stage_of(module)
+        for line, name in _imports(path):
+            if name.startswith("autopar.passes.") and _stage_of(name) > own:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({PASS_STAGES[own][0]}) imports {name} "
+                           f"({PASS_STAGES[_stage_of(name)][0]})")
+    assert bad == [], "\n".join(bad)
+
+
+def _function_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    out += [(node.lineno, a.name) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    out.append((node.lineno, node.module or "." * node.level))
+    return out
+
+
+def test_no_function_imports_what_the_module_could():
+    """An import inside a function hides a layer's or a stage's back edge, or a cycle;
+    only optional dependencies and torch's subsystems may load late."""
+    bad = []
+    for folder in SOURCE_DIRS.values():
+        for path in sorted(folder.rglob("*.py")):
+            for line, name in _function_imports(path):
+                if not any(name == a or name.startswith(a + ".") for a in FUNCTION_IMPORTS_ALLOWED):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {name} inside a function")
+    assert bad == [], "\n".join(bad)

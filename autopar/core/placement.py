@@ -30,6 +30,7 @@ chunk(320, 2) is not. A unit is kept only where the groups do not divide the axi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from math import prod
 from typing import Union
@@ -94,7 +95,6 @@ def parse_placement(text: str) -> Placement:
 
 def parse_placements(text: str) -> tuple[Placement, ...]:
     """Inverse of str(spec): 'S(0)R' -> (Shard(0), R); 'RS(2/64)' -> (R, Shard(2, 64))."""
-    import re
     tokens = re.findall(r"S\(\d+(?:/\d+)?\)|P\(\w+\)|P|R", text)
     if "".join(tokens) != text:
         raise ValueError(f"not a placement string: {text!r} (expected e.g. 'S(0)R' or 'PS(1)')")

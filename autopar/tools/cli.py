@@ -16,6 +16,21 @@ import argparse
 import sys
 import warnings
 
+import autopar
+from autopar import Plan
+from autopar.core.errors import AutoparError
+from autopar.core.files import write_json_atomic
+from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.passes.emit import emit
+from autopar.passes.planning import plan_traced
+from autopar.passes.trace import trace
+from autopar.tools import zoo
+from autopar.tools.coverage import coverage, report
+from autopar.tools.simulated import CHEAP_COMM
+from autopar.tools.sweep import Stage, SweepOptions, summary, sweep, to_json
+from autopar.tools.sweep_configs import Task
+
 
 def _mesh(text: str) -> tuple[int, ...]:
     try:
@@ -25,7 +40,6 @@ def _mesh(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from autopar.tools import zoo
     p = argparse.ArgumentParser(prog="python -m autopar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -65,7 +79,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sweep_parser(sub) -> None:
-    from autopar.tools.sweep_configs import Task
     sp = sub.add_parser("sweep", help="every transformers architecture of a task, tiny, through every stage")
     sp.add_argument("--task", default="causal-lm", choices=[t.value for t in Task])
     sp.add_argument("--mesh", type=_mesh, default=(2, 4), help="mesh shape (default 2,4)")
@@ -80,10 +93,6 @@ def _sweep_parser(sub) -> None:
 
 
 def _sweep(args) -> int:
-    from autopar.core.files import write_json_atomic
-    from autopar.tools.simulated import CHEAP_COMM
-    from autopar.tools.sweep import Stage, SweepOptions, summary, sweep, to_json
-    from autopar.tools.sweep_configs import Task
     options = SweepOptions(Task(args.task), args.mesh, args.training, args.ranks, args.limit_s,
                            device=CHEAP_COMM if args.device == "cheap-comm" else args.device,
                            until=Stage(args.until), jobs=args.jobs)
@@ -97,8 +106,6 @@ def _sweep(args) -> int:
 
 
 def _plan(args):
-    import autopar
-    from autopar.tools import zoo
     model, margs, mkwargs = zoo.build(args.model, args.batch, args.seq, args.training)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -109,8 +116,6 @@ def _plan(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from autopar import Plan
-    from autopar.core.errors import AutoparError
     try:
         if args.command == "plan":
             plan, _ = _plan(args)
@@ -130,9 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "code":
             print(_code(args))
         elif args.command == "coverage":
-            from autopar.tools import zoo
-            from autopar.tools.coverage import coverage, report
-            from autopar.core.options import Options
             names = args.models or [n for n in zoo.names() if n.endswith("-tiny")]
             rows = coverage(names, args.mesh, Options(device=args.device, training=args.training))
             print(report(rows, args.mesh, hand_ops=args.ops))
@@ -146,13 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _code(args) -> str:
-    from autopar import Plan
-    from autopar.tools import zoo
-    from autopar.core.mesh import Mesh
-    from autopar.passes.emit import emit
-    from autopar.passes.trace import trace
-    from autopar.passes.planning import plan_traced
-    from autopar.core.options import Options
     model, margs, mkwargs = zoo.build(args.model, args.batch, args.seq, args.training)
     traced = trace(model, margs, mkwargs)
     mesh = Mesh.of(args.mesh)

@@ -15,6 +15,9 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import R, Spec
 from autopar.cost_models.model import CostModel
+from autopar.passes.planning import plan_traced
+from autopar.passes.trace import trace
+from autopar.tools import zoo
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,6 @@ def all_replicated_s(graph, costs: CostModel) -> float:
 
 
 def coverage_of(name: str, mesh: tuple[int, ...], options: Options) -> CoverageRow:
-    from autopar.tools import zoo
-    from autopar.passes.trace import trace
-    from autopar.passes.planning import plan_traced
     try:
         model, args, kwargs = zoo.build(name, training=bool(options.training))
         with warnings.catch_warnings():

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from autopar.tools.sweep_inputs import speech_inputs
+
 
 class Task(Enum):
     CAUSAL_LM = "causal-lm"
@@ -346,7 +348,6 @@ def example_inputs(task: Task, config: Any, model_class: str, batch: int = 4, se
         return {"pixel_values": torch.randn(batch, channels, size, size, generator=g),
                 "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
     if task is Task.SPEECH:
-        from autopar.tools.sweep_inputs import speech_inputs
         return speech_inputs(config, model_class, batch, g)
     text = text_config_of(config)
     allowed = torch.tensor(sorted(set(range(text.vocab_size)) - special_token_ids(config)))

@@ -35,7 +35,9 @@ import torch.multiprocessing as mp
 
 from autopar.core.files import write_json_atomic
 from autopar.tools.float64_check import float64_math, in_float64
+from autopar.tools.simulated import CHEAP_COMM
 from autopar.tools.sweep_configs import Tiny
+from autopar.tools.verify import verify
 
 # A chunk's first architecture also waits for the ranks to start (forked, so mostly the
 # rendezvous and the first model's imports).
@@ -178,8 +180,6 @@ def _rank_main(rank: int, world: int, tmp: str, batch: list[RankJob], mesh: tupl
 
 
 def _verify(job: RankJob, mesh: tuple[int, ...], limit_s: float) -> dict:
-    from autopar.tools.simulated import CHEAP_COMM
-    from autopar.tools.verify import verify
     tiny = job.tiny
     grad = torch.enable_grad() if tiny.training else torch.no_grad()
     with warnings.catch_warnings(), grad:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence
 
+import networkx as nx
+
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Partial, Shard, Spec
 from autopar.core.plan import Plan
@@ -102,7 +104,6 @@ def tensor_blocks(plan: Plan, names: Optional[Sequence[str]] = None):
 def graph_figure(plan: Plan, max_nodes: int = 400):
     """The op graph laid out by topological generation, nodes coloured by output
     placement, edges that carry a collective drawn thick and red."""
-    import networkx as nx
     plt = _plt()
     g = nx.DiGraph()
     for n in plan.nodes[:max_nodes]:

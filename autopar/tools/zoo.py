@@ -10,6 +10,7 @@ the config values; build(name, **overrides) changes any of them (e.g. n_layer=48
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Callable
 
@@ -131,7 +132,6 @@ def _inputs(kind: str, config: Any, batch: int, seq: int, seed: int) -> dict:
 
 
 def _from_factory(spec: str) -> tuple:
-    import importlib
     module_name, _, attr = spec.partition(":")
     try:
         factory: Callable = getattr(importlib.import_module(module_name), attr)

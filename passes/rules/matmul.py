@@ -6,6 +6,7 @@ import string
 
 import torch
 
+from autopar.core.placement import R
 from autopar.passes.rules._helpers import einsum_rules, with_bias
 from autopar.passes.rules.registry import AxisRule, OpCall, register
 
@@ -78,5 +79,4 @@ def _respects_broadcast(rule: AxisRule, call: OpCall) -> bool:
 
 
 def _replicated(call: OpCall) -> list[AxisRule]:
-    from autopar.core.placement import R
     return [AxisRule((R,) * len(call.inputs), (R,))]
