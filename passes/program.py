@@ -10,7 +10,7 @@ each communicating one a WaitModule:
 The schedule pass (passes/schedule.py) moves starts early and waits late. The modules
 know their Step and the edge they sit on, not how to communicate: the planner never
 touches torch.distributed. Whoever runs the program binds a StepRunner first: the
-runtime binds one over its process groups (autopar/runtime/collectives.py), the
+runtime binds one over its process groups (autopar/runtime/step_runner.py), the
 lockstep simulator (passes/simulate_mesh.py) runs the steps itself. A program that was
 never bound (emitted to be read, e.g. `python -m autopar code`) says so when called.
 """

@@ -6,7 +6,7 @@
 A communicating reshard step is two nodes (passes/program.py): its start issues the
 collective, its wait hands over the result. Between them the rank computes whatever
 does not need the result. Backward follows: the wait's backward launches the conjugate
-collective and the start's backward finishes it (autopar/runtime/collectives.py), so a
+collective and the start's backward finishes it (autopar/runtime/step_runner.py), so a
 start placed early is also a backward collective finished late.
 
 1. Starts are issued as early as their input exists, in their original order (every

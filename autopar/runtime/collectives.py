@@ -32,8 +32,8 @@ so every rank moves the same padded bytes (what the cost model prices). A Move c
 the global sizes of its dims (read off the step's layout) and their units (Shard.unit:
 blocks of whole heads, ceil(n / (k u)) u, only the last short); an even split skips padding.
 
-Nothing here decides what to run: the Plan's steps do; `step_runner` is what the
-StepModules of an emitted program (passes/program.py) are bound to.
+Nothing here decides what to run: the Plan's steps do, through runtime/step_runner.py,
+which the StepModules of an emitted program (passes/program.py) are bound to.
 """
 
 from __future__ import annotations
@@ -43,10 +43,8 @@ from typing import Any, Optional
 
 import torch
 
-from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
 from autopar.core.placement import chunk_sizes, largest_block, split_blocks
-from autopar.core.resharding import Step
 
 _C10D = torch.ops._c10d_functional
 
@@ -134,7 +132,7 @@ def _ops(comm: AxisComm) -> Any:
     return StandInCollectives if comm.stand_in else _C10D
 
 
-# ---- 1. moves: launch (issue) and finish (wait, lay out) -------------------------------
+# ---- moves: launch (issue) and finish (wait, lay out) ---------------------------------
 
 def launch(move: Move, x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     """Issue `move` on x; a communicating move returns a tensor `finish` completes, a
@@ -245,179 +243,3 @@ def all_to_all(x: torch.Tensor, dim: int, to_dim: int, comm: AxisComm, size: Opt
     """x is split along `dim` (of global `size`, where the blocks may be uneven) across the
     axis; return it split along `to_dim` instead."""
     return move(Move(StepKind.ALL_TO_ALL, dim, to_dim, size=size, to_size=x.shape[to_dim]), x, comm)
-
-
-# ---- 2. a step's two directions ----------------------------------------------------------
-
-def _global_size(step: Step, dim: Optional[int]) -> Optional[int]:
-    """The global size of a tensor dim the step moves (None where the step does not say)."""
-    if dim is None or step.before is None:
-        return None
-    return step.before.meta.shape[dim]
-
-
-def _complex(step: Step) -> bool:
-    return step.before is not None and step.before.meta.dtype.is_complex
-
-
-def forward_move(step: Step) -> Move:
-    return Move(step.kind, step.dim, step.to_dim, step.reduce, _global_size(step, step.dim),
-                _global_size(step, step.to_dim), step.dim_unit, step.unit, _complex(step))
-
-
-def backward_move(step: Step) -> Move:
-    """The conjugate (autopar/core/resharding.py's table); all_reduce's avg and max
-    backwards are local and handled by the autograd functions."""
-    back, complex_ = step.backward, _complex(step)
-    if back is StepKind.ALL_TO_ALL:
-        return Move(back, step.to_dim, step.dim, size=_global_size(step, step.to_dim),
-                    to_size=_global_size(step, step.dim), unit=step.unit, to_unit=step.from_unit, complex=complex_)
-    if back is StepKind.ALL_REDUCE:
-        return Move(back, complex=complex_)
-    return Move(back, step.dim, size=_global_size(step, step.dim), unit=step.dim_unit, complex=complex_)
-
-
-def reduces(m: Move) -> bool:
-    """Sums gradients across ranks: what Options.reduce_dtype applies to."""
-    return m.kind in (StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER)
-
-
-class _Step(torch.autograd.Function):
-    """A whole step, forward and backward: what runs under torch.compile and for the
-    local steps (slice, to_partial, grad_sync) and P(max) reductions."""
-
-    @staticmethod
-    def forward(ctx, x, step, comm, reduce_dtype):
-        ctx.step, ctx.comm, ctx.reduce_dtype = step, comm, reduce_dtype
-        y = move(forward_move(step), x, comm)
-        if step.kind is StepKind.ALL_REDUCE and step.reduce == "max":
-            ctx.save_for_backward(x, y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        step, comm = ctx.step, ctx.comm
-        if step.kind is StepKind.ALL_REDUCE and step.reduce == "max":
-            x, y = ctx.saved_tensors
-            return g * (x == y).to(g.dtype), None, None, None
-        if step.kind is StepKind.ALL_REDUCE and step.reduce == "avg":
-            return g / comm.size, None, None, None
-        m = backward_move(step)
-        if ctx.reduce_dtype is not None and reduces(m):
-            return move(m, g.to(ctx.reduce_dtype), comm).to(g.dtype), None, None, None
-        return move(m, g, comm), None, None, None
-
-
-@dataclass
-class Started:
-    """What a step's start hands its wait: the launched forward collective, and, in
-    backward, the conjugate the wait's backward launched for the start's backward."""
-
-    tensor: Optional[torch.Tensor] = None
-    grad: Optional[torch.Tensor] = None
-    grad_dtype: Optional[torch.dtype] = None  # the gradient's own dtype when reduced in another
-
-
-class _Start(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, step, comm, box, reduce_dtype):
-        ctx.step, ctx.comm, ctx.box = step, comm, box
-        return launch(forward_move(step), x, comm)
-
-    @staticmethod
-    def backward(ctx, _placeholder):
-        g, ctx.box.grad = ctx.box.grad, None
-        step = ctx.step
-        if step.kind is StepKind.ALL_REDUCE:  # identity (avg: scaled by the wait's backward)
-            return g, None, None, None, None
-        out = finish(backward_move(step), g, ctx.comm)
-        if ctx.box.grad_dtype is not None:
-            out = out.to(ctx.box.grad_dtype)
-        return out, None, None, None, None
-
-
-class _Wait(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, started, step, comm, box, reduce_dtype):
-        ctx.step, ctx.comm, ctx.box, ctx.reduce_dtype = step, comm, box, reduce_dtype
-        ctx.shape, ctx.dtype = started.shape, started.dtype
-        return finish(forward_move(step), started, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        step, comm = ctx.step, ctx.comm
-        if step.kind is StepKind.ALL_REDUCE:
-            ctx.box.grad = g / comm.size if step.reduce == "avg" else g
-        else:
-            m = backward_move(step)
-            if ctx.reduce_dtype is not None and reduces(m) and g.dtype != ctx.reduce_dtype:
-                ctx.box.grad_dtype, g = g.dtype, g.to(ctx.reduce_dtype)
-            ctx.box.grad = launch(m, g, comm)
-        # the real gradient travels in the box; autograd gets a free stand-in of the right shape
-        return torch.zeros((), dtype=ctx.dtype, device=g.device).expand(ctx.shape), None, None, None, None
-
-
-# ---- 3. what a rank program's steps are bound to ------------------------------------------
-
-def _splits(step: Step) -> bool:
-    """Steps run as a start and a wait: the collectives whose backward autograd can
-    carry through the box (not P(max), whose backward needs the forward result)."""
-    return step.kind.communicates and not (step.kind is StepKind.ALL_REDUCE and step.reduce == "max")
-
-
-class ProcessGroupRunner:
-    """Runs reshard steps on this rank's process groups (passes/program.py: StepRunner).
-    `overlap=False` runs each step whole in its start (its wait passes it on): the form
-    torch.compile traces, leaving the ordering of collectives to the compiler."""
-
-    def __init__(self, comms: tuple[AxisComm, ...], overlap: bool = True,
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
-        self.comms = comms
-        self.overlap = overlap
-        self.reduce_dtype = reduce_dtype  # dtype of backward reductions (Options.reduce_dtype)
-
-    def start(self, step: Step, x: torch.Tensor, where: str) -> Any:
-        comm = self.comms[step.axis]
-        rd = self.reduce_dtype
-        if not self.overlap:  # plain enough for torch.compile to trace
-            return _Step.apply(x, step, comm, rd)
-        with _naming(step, comm, where):
-            if _splits(step) and comm.size > 1:
-                box = Started()
-                box.tensor = _Start.apply(x, step, comm, box, rd)
-                return box
-            return _Step.apply(x, step, comm, rd)
-
-    def wait(self, step: Step, started: Any, where: str) -> torch.Tensor:
-        if not isinstance(started, Started):
-            return started
-        comm = self.comms[step.axis]
-        # the box lets go of the launched tensor: the start's autograd node holds the box,
-        # so keeping it would tie a reference cycle through the graph (box -> tensor ->
-        # its grad_fn -> ctx -> box) that only Python's cycle collector frees, late
-        tensor, started.tensor = started.tensor, None
-        with _naming(step, comm, where):
-            return _Wait.apply(tensor, step, comm, started, self.reduce_dtype)
-
-
-class _naming:
-    """Turns a failing collective into a CollectiveError that names the edge."""
-
-    def __init__(self, step: Step, comm: AxisComm, where: str) -> None:
-        self.step, self.comm, self.where = step, comm, where
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, tb) -> bool:
-        if isinstance(error, RuntimeError) and not isinstance(error, CollectiveError):
-            raise CollectiveError(
-                f"{self.step} on the edge {self.where} failed on mesh coordinate {self.comm.coord} of axis "
-                f"{self.step.axis}: {error}. A peer rank probably failed or stopped first: look at its log (the "
-                "collective timeout is Options.collective_timeout_s)") from error
-        return False
-
-
-def step_runner(comms: tuple[AxisComm, ...], overlap: bool = True,
-                reduce_dtype: Optional[torch.dtype] = None) -> ProcessGroupRunner:
-    return ProcessGroupRunner(comms, overlap, reduce_dtype)

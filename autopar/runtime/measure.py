@@ -42,7 +42,8 @@ from autopar.passes.rules.local import localize_call
 from autopar.passes.trace import TracedGraph
 from autopar.passes.rules import TensorArg
 from autopar.passes.strategies import AnnotatedGraph
-from autopar.runtime.collectives import AxisComm, all_gather, all_reduce, all_to_all, reduce_scatter, step_runner
+from autopar.runtime.collectives import AxisComm, all_gather, all_reduce, all_to_all, reduce_scatter
+from autopar.runtime.step_runner import step_runner
 
 
 # ---- 1. compute profiling --------------------------------------------------------

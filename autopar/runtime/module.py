@@ -44,7 +44,7 @@ from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.call_agreement import CallSignature, agree_on_call
-from autopar.runtime.collectives import step_runner
+from autopar.runtime.step_runner import step_runner
 from autopar.runtime.compiling import compiled_program
 from autopar.runtime.dynamic_programs import DynamicPrograms, PlannedSignature
 from autopar.runtime.groups import MeshGroups, mesh_groups

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.core.errors import CheckpointError
 from autopar.core.mesh import Mesh
 from autopar.core.placement import R, Partial, Shard, Spec, block_index, local_chunk, split_blocks
 from autopar.runtime.collectives import AxisComm, all_gather, all_reduce
