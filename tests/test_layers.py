@@ -126,7 +126,8 @@ def test_no_import_statement_points_up(module):
 
 # passes/ in the order of its stages: a module imports from its own stage or earlier ones
 PASS_STAGES = (
-    ("trace", ("canonical", "custom_grad", "dynamic", "functionalize", "higher_order", "trace", "saved")),
+    ("trace", ("canonical", "custom_grad", "dynamic", "functionalize", "higher_order", "trace", "saved",
+               "program_bytes")),
     ("rules", ("rules", "simulate")),  # per-op rules, each op's local form, and running an op block by block
     ("strategies", ("discovery", "strategies", "clusters")),
     ("solve", ("solver_backend", "ilp_terms", "ilp", "recompute_ilp", "ilp_overlap", "dominance", "solve")),

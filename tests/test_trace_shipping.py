@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import autopar
-from autopar.passes.trace import export_program, load_program, program_bytes, trace, traced_program
+from autopar.passes.program_bytes import load_program, program_bytes
+from autopar.passes.trace import export_program, trace, traced_program
 from tests import models
 from tests.harness import plain_env, run_processes, run_ranks
 

@@ -11,7 +11,7 @@ rank the tracing time: the tests' tiny llama (232 nodes) traces in ~0.7 s on a C
 serialising takes ~0.3 s on rank 0 and loading ~0.25 s on the others (464 KiB sent).
 
 1. Rank 0 exports (torch.export, functionalisation, differentiable copies), serialises
-   the program with torch.export's own serialiser (passes/trace.py program_bytes:
+   the program with torch.export's own serialiser (passes/program_bytes.py:
    faithful to every node and its metadata, versioned with torch; the weights travel
    as meta stand-ins, so a large model sends only its graph), then reads the signature
    of its program (step 4 of passes/trace.py, which renames the placeholders).
@@ -43,8 +43,8 @@ from torch import nn
 from autopar import _compat
 from autopar.core.errors import FingerprintMismatchError
 from autopar.passes.planning import planning_inputs
-from autopar.passes.trace import (Leaf, TracedGraph, export_program, flatten_inputs, load_program, program_bytes,
-                                  trace, traced_program)
+from autopar.passes.program_bytes import load_program, program_bytes
+from autopar.passes.trace import Leaf, TracedGraph, export_program, flatten_inputs, trace, traced_program
 from autopar.runtime.planner import attempt, from_rank, sendable
 
 Traced = tuple[Optional[TracedGraph], Optional[Exception]]
