@@ -24,7 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from autopar.core.files import write_json_atomic  # noqa: E402
 from autopar.tools.simulated import CHEAP_COMM  # noqa: E402
-from autopar.tools.sweep import CATEGORIES, SweepOptions, summary, sweep, to_json  # noqa: E402
+from autopar.tools.sweep import SweepOptions, sweep  # noqa: E402
+from autopar.tools.sweep_report import CATEGORIES, summary, to_json  # noqa: E402
 from autopar.tools.sweep_configs import Task  # noqa: E402
 
 PLAN_MEDIAN_GOAL_S, PLAN_MAX_GOAL_S = 3.0, 10.0

@@ -195,3 +195,24 @@ def test_no_function_imports_what_the_module_could():
                 if not any(name == a or name.startswith(a + ".") for a in FUNCTION_IMPORTS_ALLOWED):
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {name} inside a function")
     assert bad == [], "\n".join(bad)
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def test_modules_and_functions_stay_small():
+    """Small modules with one job each, functions that fit on a screen (../shared/STYLE.md)."""
+    big = []
+    for folder in SOURCE_DIRS.values():
+        for path in sorted(folder.rglob("*.py")):
+            text = path.read_text()
+            if len(text.splitlines()) > MAX_MODULE_LINES:
+                big.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines (at most {MAX_MODULE_LINES})")
+            for fn in ast.walk(ast.parse(text)):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = fn.end_lineno - fn.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        big.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {length} lines "
+                                   f"(at most {MAX_FUNCTION_LINES})")
+    assert big == [], "\n".join(big)

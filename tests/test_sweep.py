@@ -20,9 +20,10 @@ from autopar.passes.planning import plan_traced
 from autopar.passes.trace import trace
 from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run
 from autopar.tools.sweep import (NOT_AUTOPARS, Outcome, Stage, SweepOptions, SweepResult, _simulate_and_compare,
-                                 _Stopped, check_architecture, summary, sweep, to_json)
+                                 _Stopped, check_architecture, sweep)
 from autopar.tools.sweep_configs import (HIDDEN, VOCAB, Task, architectures, example_inputs, special_token_ids,
                                          tiny_config)
+from autopar.tools.sweep_report import summary, to_json
 
 MESH = (4,)
 # (task, model_type) -> the family it stands for

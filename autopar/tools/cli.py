@@ -28,8 +28,9 @@ from autopar.passes.trace import trace
 from autopar.tools import zoo
 from autopar.tools.coverage import coverage, report
 from autopar.tools.simulated import CHEAP_COMM
-from autopar.tools.sweep import Stage, SweepOptions, summary, sweep, to_json
+from autopar.tools.sweep import Stage, SweepOptions, sweep
 from autopar.tools.sweep_configs import Task
+from autopar.tools.sweep_report import summary, to_json
 
 
 def _mesh(text: str) -> tuple[int, ...]:
