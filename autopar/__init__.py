@@ -23,7 +23,7 @@ _EXPORTS = {
     "Link": "autopar.core.links", "LinkKind": "autopar.core.links",
     "Spec": "autopar.core.placement", "TensorMeta": "autopar.core.placement", "Shard": "autopar.core.placement",
     "Replicate": "autopar.core.placement", "Partial": "autopar.core.placement",
-    "Plan": "autopar.core.plan", "Collective": "autopar.core.plan",
+    "Plan": "autopar.core.plan", "Collective": "autopar.core.plan", "PlanBook": "autopar.core.plan_book",
     "AutoparError": "autopar.core.errors", "TraceError": "autopar.core.errors",
     "UnsupportedModelError": "autopar.core.errors", "SolverError": "autopar.core.errors",
     "MeshError": "autopar.core.errors", "InputMismatchError": "autopar.core.errors",

@@ -39,8 +39,9 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     """Parallelise `model` over `mesh` on the initialised process group.
 
     Without `args`/`kwargs` it is traced and planned at the first call (per input
-    signature); with them, now. `plan` (a Plan or a JSON path) skips solving: it must
-    have been made for this model and input shapes (checked by graph fingerprint).
+    signature); with them, now. `plan` (a Plan, a PlanBook such as
+    pm.plan_book, or a JSON path to either) skips solving: each call runs the plan made
+    for its traced graph (found by graph fingerprint).
     A model on the meta device is planned without weights; its shards are then read
     per rank with pm.load_safetensors / load_full_state_dict / load_checkpoint onto
     `materialize_on` (default cpu). Keyword overrides go to Options (device=..., training=...).
@@ -120,7 +121,7 @@ class _Planned:
 
 def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_cache_len: int = 256,
                            prefill_len: Optional[int] = None, cache_layout: Optional[str] = None,
-                           options: Optional[Options] = None, **option_overrides: Any) -> Generator:
+                           plan: Any = None, options: Optional[Options] = None, **option_overrides: Any) -> Generator:
     """A Generator for the causal LM `model` over `mesh`: gen.generate(input_ids,
     max_new_tokens, do_sample=..., temperature=..., top_k=..., generator=...).
 
@@ -130,14 +131,16 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     chooses the cache's layout among splits by batch and by KV heads (or replicated);
     `cache_layout` (one placement per mesh axis, e.g. "RS(1)") fixes it instead.
     Both plans are made now, every rank taking part; then the wrapper's full cache is
-    dropped (each rank keeps only its block).
+    dropped (each rank keeps only its block). `plan`: a plan book (gen.plan_book, or its
+    file from .to_json) of the same model, mesh and sizes: neither plan is solved again.
     """
     opts = options_with(options, {"training": False, **option_overrides})
     mesh_ = Mesh.of(mesh)
     check_launch_layout(mesh_, opts.nodes)
     cached = CachedLM(model.eval(), max_batch, max_cache_len)
     layout = _cache_layout(cache_layout, cached, mesh_)
-    pm = ParallelModule(cached, mesh_, opts, local_buffers=LocalBuffers(tuple(cached.cache_names()), (0, 1), layout))
+    pm = ParallelModule(cached, mesh_, opts, plan, local_buffers=LocalBuffers(tuple(cached.cache_names()), (0, 1),
+                                                                             layout))
     gen = Generator(pm, cached.shape, max_cache_len if prefill_len is None else prefill_len)
     gen.prepare()
     cached.release_cache()  # every rank holds its block now; both plans are made

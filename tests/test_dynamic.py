@@ -165,9 +165,11 @@ def dynamic_calls(rank: int, world: int, family: str, mesh: tuple, sizes: list, 
     return {"pairs": pairs, "traces": pm.trace_count, "solves": pm.solve_count, "plans": [str(p) for p in pm.plans]}
 
 
-def replans(rank: int, world: int) -> dict:
+def replans(rank: int, world: int, book: str) -> dict:
     """A size a split does not divide, and one outside the range: one warning each and a
-    new plan; with OutOfRange.RAISE the outside size is an InputMismatchError."""
+    new plan; with OutOfRange.RAISE the outside size is an InputMismatchError. Then the
+    module's book of its four plans, saved to `book`, serves a new module's same calls
+    without a solve."""
     m = models.build("gpt2", **WIDE["gpt2"])
     out: dict = {}
     with warnings.catch_warnings():
@@ -193,7 +195,26 @@ def replans(rank: int, world: int) -> dict:
             out["raised"] = str(e)
     out["plans"] = [str(p) for p in pm.plans]
     out["strict_plans"] = [str(p) for p in strict.plans]
+    out["from_book"] = _from_book(pm, book, rank)
     return out
+
+
+def _from_book(pm, path: str, rank: int) -> dict:
+    if rank == 0:
+        pm.plan_book.to_json(path)
+    torch.distributed.barrier()
+    m = models.build("gpt2", **WIDE["gpt2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = autopar.compile(m, mesh=(pm.mesh.size,), device=CHEAP_COMM, dynamic=RANGES, plan=path)
+        pairs = []
+        for b, s in [(4, 8), (3, 8), (20, 8), (1, 8)]:
+            args, kwargs = models.inputs("gpt2", b, s)
+            with torch.no_grad():
+                pairs.append(((b, s), _outputs(again(*args, **kwargs)), _outputs(m(*args, **kwargs)), {}))
+    return {"pairs": pairs, "solves": again.solve_count, "traces": again.trace_count,
+            "book": [p.fingerprint for p in autopar.PlanBook.from_json(path).plans],
+            "ran": [p.fingerprint for p in again.plan_book.plans]}
 
 
 def from_plan_file(rank: int, world: int, path: str) -> dict:
@@ -235,7 +256,7 @@ def two_ranks(tmp_path_factory):
     batch = [(from_plan_file, dict(path=path)),(dynamic_calls, dict(family="gpt2", mesh=(2,), sizes=BATCHES + SEQS)),
              (dynamic_calls, dict(family="llama", mesh=(2,), sizes=BATCHES + SEQS)),
              (dynamic_calls, dict(family="gpt2", mesh=(2,), sizes=[(4, 8), (2, 12), (6, 4)], training=True)),
-             (replans, {})]
+             (replans, dict(book=str(tmp_path_factory.mktemp("dynamic") / "book.json")))]
     return run_ranks(2, batch)
 
 
@@ -283,3 +304,12 @@ def test_out_of_range_and_indivisible_sizes_replan_once(two_ranks):
         assert traces == 1 and len(res["strict_plans"]) == 1
         assert "batch (s" in res["strict_plans"][0] and "in [2, 8], planned at 8" in res["strict_plans"][0]
         assert "in [4, 32], planned at 16" in res["strict_plans"][0]
+
+
+@pytest.mark.slow  # the same 2-rank spawn
+def test_a_dynamic_modules_plan_book_serves_every_range_without_a_solve(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        res = results[4]["from_book"]
+        _check_pairs(res, rank)
+        assert len(res["book"]) == 4 and res["ran"] == res["book"], res
+        assert (res["solves"], res["traces"]) == (0, 4), res

@@ -234,3 +234,29 @@ def test_a_plan_file_missing_a_node_of_the_graph_is_refused_before_running(tmp_p
     with pytest.raises(autopar.PlanFileError) as err:
         check_fingerprint(Plan.from_json(path), trace(MLP().eval(), (x,)), f"plan file {path}")
     assert "relu_1" in str(err.value) and path in str(err.value)
+
+
+def test_a_plan_book_round_trips_and_a_graph_it_lacks_is_named(tmp_path):
+    import autopar
+    from autopar.core.plan_book import PlanBook
+    from tests import models
+    plans = []
+    for batch in (2, 4):
+        args, kwargs = models.inputs("gpt2", batch, 8)
+        plans.append(autopar.plan(models.build("gpt2"), args, kwargs, mesh=(2,)))
+    book = PlanBook.of(plans + plans[:1])
+    assert len(book.plans) == 2  # one plan per graph
+    path = tmp_path / "book.json"
+    book.to_json(path)
+    again = PlanBook.from_json(path)
+    assert again.digest() == book.digest() and [p.fingerprint for p in again.plans] == [p.fingerprint for p in plans]
+    plans[0].to_json(tmp_path / "one.json")  # a plan file is a book of one
+    assert PlanBook.from_json(tmp_path / "one.json").plans[0].digest() == plans[0].digest()
+    with pytest.raises(autopar.FingerprintMismatchError, match="has plans for 2 graphs"):
+        book.plan_for("0123456789abcdef", (), "GPT2LMHeadModel", "plan file book.json")
+    (tmp_path / "empty.json").write_text('{"schema": "autopar.plan_book", "schema_version": 1, "plans": []}')
+    with pytest.raises(autopar.PlanFileError, match="holds no plans"):
+        PlanBook.from_json(tmp_path / "empty.json")
+    (tmp_path / "other.json").write_text('{"schema": "something else"}')
+    with pytest.raises(autopar.PlanFileError, match="not an autopar plan or plan book"):
+        PlanBook.from_json(tmp_path / "other.json")

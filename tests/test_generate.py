@@ -83,6 +83,25 @@ def case_generate(rank: int, world: int, family: str, mesh: tuple, cache_layout=
             "cache_moves": _cache_update_moves(decode, pm)}
 
 
+def case_generate_from_book(rank: int, world: int, family: str, mesh: tuple, path: str) -> dict:
+    """A Generator's book of its two plans, saved, makes a second Generator that solves
+    neither and generates the same tokens."""
+    import autopar
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH,
+                                               max_cache_len=MAX_CACHE, prefill_len=PREFILL)
+        if rank == 0:
+            first.plan_book.to_json(path)
+        torch.distributed.barrier()
+        again = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH,
+                                               max_cache_len=MAX_CACHE, prefill_len=PREFILL, plan=path)
+        tokens = [again.generate(ids, NEW) for ids in prompts()]
+    return {"tokens": tokens, "solves": (first.step.solve_count, again.step.solve_count),
+            "book": [p.digest() for p in first.plan_book.plans], "ran": [p.digest() for p in again.plan_book.plans],
+            "layouts": (first.cache_layout, again.cache_layout)}
+
+
 def _bad_requests(gen: Generator, rank: int) -> dict:
     pm = gen.step
     before = {n: t.clone() for n, t in pm.state_tensors.items() if "cache" in n}
@@ -245,6 +264,20 @@ def test_greedy_equals_one_device_rest_of_grid():
     results = run_ranks(4, [(case_generate, {"family": f, "mesh": m, "cache_layout": lay}) for f, m, lay in SLOW])
     for i, (family, _, layout) in enumerate(SLOW):
         check_greedy([per_rank[i] for per_rank in results], family, split=layout is not None)
+
+
+@pytest.mark.slow
+def test_a_generators_plan_book_makes_both_plans_without_a_solve(tmp_path):
+    path = str(tmp_path / "book.json")
+    results = run_ranks(2, [(case_generate_from_book, {"family": "llama", "mesh": (2,), "path": path})])
+    want = reference_greedy("llama")
+    for rank, (res,) in enumerate(results):
+        # rank 0 solved decode and prefill for the first Generator; nobody solves for the second
+        assert res["solves"] == ((2, 0) if rank == 0 else (0, 0)), res["solves"]
+        assert len(res["book"]) == 2 and res["ran"] == res["book"], res
+        assert res["layouts"][0] == res["layouts"][1], res["layouts"]
+        for got, ref in zip(res["tokens"], want):
+            assert torch.equal(got, ref), f"rank {rank}:\n{got}\n!=\n{ref}"
 
 
 @pytest.mark.slow

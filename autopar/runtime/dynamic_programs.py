@@ -132,6 +132,10 @@ class DynamicPrograms:
     def plans(self) -> list[PlannedSignature]:
         return [planned for _, _, planned in self.entries]
 
+    def compiled_programs(self) -> list[Any]:
+        """Each range's program, in the order they were planned."""
+        return [compiled for _, compiled, _ in self.entries]
+
     def _outside(self, sizes: dict[DimName, int], paths: tuple[str, ...], marked: dict) -> str:
         """'' when every size is in the Dynamic's range; else (RAISE) an error or (REPLAN) the
         widened ranges, described."""

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.errors import CacheLimitError, InputMismatchError, ProcessGroupError
+from autopar.core.plan_book import PlanBook
 from autopar.runtime.kv_cache import CacheShape, CachedLM
 
 __all__ = ["CacheLimitError", "Generator", "check_sampling", "next_tokens"]  # CacheLimitError: its old home
@@ -70,6 +71,12 @@ class Generator:
         mesh axis 1), or "one device"."""
         specs = getattr(self.step, "state_specs", {})
         return str(specs["key_cache_0"]) if "key_cache_0" in specs else "one device"
+
+    @property
+    def plan_book(self) -> PlanBook:
+        """The decode and prefill plans: saved with .to_json(path),
+        `compile_for_generation(..., plan=path)` makes neither again."""
+        return self.step.plan_book
 
     def prepare(self) -> None:
         """Plan both steps now, decode first (step 1)."""

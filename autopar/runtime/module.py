@@ -19,7 +19,6 @@ buffers it writes, which shards.store_buffers keeps after each call).
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -36,6 +35,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
+from autopar.core.plan_book import PlanBook, given_plans
 from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
 from autopar.passes.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
 from autopar.passes.planning import plan_annotated
@@ -68,7 +68,7 @@ class Compiled:
 
 
 class ParallelModule(ShardedStateMethods, nn.Module):
-    def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | str | None" = None,
+    def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | PlanBook | str | None" = None,
                  materialize_on: "torch.device | str | None" = None,
                  local_buffers: Optional[LocalBuffers] = None, groups: Optional[MeshGroups] = None) -> None:
         """`local_buffers`: buffers (a KV cache) whose layout is chosen among candidate
@@ -90,7 +90,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self.loaded = not self.on_meta  # a meta model's shards are filled by a load
         self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None  # layouts later plans keep
         self._armed: Optional[GradBuckets] = None  # the buckets the running backward fills
-        self._given, self._given_source = _given_plan(plan)
+        self._given, self._given_source = given_plans(plan)
         self.local_buffers = local_buffers
         self._dynamic = Dynamic.of(options.dynamic)
         self._dynamic_programs: dict[bool, DynamicPrograms] = {}  # the source model's mode -> its programs
@@ -123,6 +123,15 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     @property
     def plan(self) -> Plan:
         return self._require_current().plan
+
+    @property
+    def plan_book(self) -> PlanBook:
+        """Every plan this module has run or prepared, one per traced graph, in the order
+        they were made: saved with .to_json(path), `compile(..., plan=path)` runs all of
+        those calls without solving."""
+        compiled = list(self.programs.values()) + [c for programs in self._dynamic_programs.values()
+                                                   for c in programs.compiled_programs()]
+        return PlanBook.of([c.plan for c in compiled])
 
     @property
     def code(self) -> str:
@@ -317,13 +326,6 @@ class _BucketsOf:
         if pm is not None and pm._armed is not None:
             return pm._armed.gradient(param, grad)
         return None
-
-
-def _given_plan(plan: "Plan | str | os.PathLike | None") -> tuple[Optional[Plan], str]:
-    """A plan to run instead of solving, and how to name it in errors."""
-    if plan is None or isinstance(plan, Plan):
-        return plan, "the given plan"
-    return Plan.from_json(plan), f"plan file {os.fspath(plan)}"
 
 
 def _signature(tensors: list[torch.Tensor], spec: Any, consts: tuple) -> tuple:

@@ -7,7 +7,8 @@
 1. Every rank holds the traced graph (shipping.py: rank 0 traces, the others rebuild
    its graph), or the error its tracing met (kept, not raised yet).
 2. Rank 0 solves (one solve instead of one per rank) and broadcasts the plan, or the
-   error it met; a given plan (file or object) is checked against the trace instead.
+   error it met; with given plans (a Plan, a PlanBook or a file of either), the one made
+   for the traced graph's fingerprint is checked against the trace instead.
 3. Every rank gathers every rank's plan digest and error. An error anywhere is raised
    on every rank as the same type (the exception itself travels; one that cannot be
    pickled becomes a PlanningError with its type and text); differing digests raise
@@ -26,6 +27,9 @@ import torch.distributed as dist
 
 from autopar.core.errors import FingerprintMismatchError, PlanningError, ProcessGroupError
 from autopar.core.plan import Plan
+from autopar.core.kinds import NodeKind
+from autopar.core.placement import TensorMeta
+from autopar.core.plan_book import PlanBook, PricedAt
 from autopar.passes.emit import check_fingerprint
 from autopar.passes.trace import TracedGraph
 
@@ -34,20 +38,33 @@ Solve = Callable[[TracedGraph], Plan]
 
 
 def agreed_plan(traced: Optional[TracedGraph], problem: Optional[Exception], solve: Solve,
-                given: Optional[Plan], given_source: str, group: Any = None) -> Plan:
+                given: Optional[PlanBook], given_source: str, group: Any = None) -> Plan:
     """The plan every rank runs for `traced` (None where this rank failed to trace, with
-    `problem` the error), or the first error any rank met, raised on every rank."""
+    `problem` the error): `given`'s plan for its graph, or rank 0's solve; or the first
+    error any rank met, raised on every rank."""
     rank = dist.get_rank(group)
     plan: Optional[Plan] = None
     if given is not None:
         if problem is None:
-            _, problem = attempt(lambda: check_fingerprint(given, traced, given_source))
-            plan = given if problem is None else None
+            plan, problem = attempt(lambda: _from_book(given, traced, given_source))
     else:
         plan, problem = _solved_on_rank0(traced, problem, solve, rank, group)
     _agree(plan, problem, group)
     assert plan is not None
     return plan
+
+
+def _from_book(book: PlanBook, traced: TracedGraph, source: str) -> Plan:
+    plan = book.plan_for(traced.fingerprint, _priced_at(traced), traced.model_name, source)
+    check_fingerprint(plan, traced, source)
+    return plan
+
+
+def _priced_at(traced: TracedGraph) -> PricedAt:
+    """The sizes a plan of `traced` is priced at: its user inputs' (hint) shapes."""
+    users = {gi.name for gi in traced.inputs if gi.kind is NodeKind.USER_INPUT}
+    return tuple(sorted((n.name, TensorMeta.of(n.meta["val"]).shape) for n in traced.gm.graph.nodes
+                        if n.op == "placeholder" and n.name in users))
 
 
 def _solved_on_rank0(traced: Optional[TracedGraph], problem: Optional[Exception], solve: Solve,
