@@ -38,7 +38,7 @@ _EXPORTS = {
     "PipelinedModule": "autopar.runtime.pipeline",
     "verify": "autopar.tools.verify", "VerifyReport": "autopar.tools.verify",
     "compile": "autopar.api", "plan": "autopar.api",
-    "compile_for_generation": "autopar.api", "Generator": "autopar.runtime.generation",
+    "compile_for_generation": "autopar.api", "plan_for_generation": "autopar.api", "Generator": "autopar.runtime.generation",
     "CacheLimitError": "autopar.core.errors", "CacheReleasedError": "autopar.core.errors",
     "PlanChangedWarning": "autopar.runtime.resume",
     "save_training_checkpoint": "autopar.api", "load_training_checkpoint": "autopar.api", "resume": "autopar.api",

@@ -16,8 +16,9 @@ from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
+from autopar.core.plan_book import PlanBook
 from autopar.passes import pipeline, planning
-from autopar.passes.buffer_layouts import LocalBuffers
+from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
 from autopar.passes.planning import options_with, plan_traced, planning_inputs
 from autopar.passes.trace import TracedGraph, trace
 from autopar.runtime.dynamic_programs import DynamicPrograms
@@ -25,11 +26,12 @@ from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelinedModule
+from autopar.runtime.shards import state_owners, whole_state
 from autopar.runtime.resume import (CheckpointManifest, latest_checkpoint,  # noqa: F401 - re-exported
                                     load_training_checkpoint, resume, save_training_checkpoint)
 
 __all__ = ["CheckpointManifest", "compile", "compile_for_generation", "latest_checkpoint", "load_training_checkpoint",
-           "plan", "resume", "save_training_checkpoint"]
+           "plan", "plan_for_generation", "resume", "save_training_checkpoint"]
 
 
 def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dict] = None, *,
@@ -145,6 +147,32 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     gen.prepare()
     cached.release_cache()  # every rank holds its block now; both plans are made
     return gen
+
+
+def plan_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_cache_len: int = 256,
+                        prefill_len: Optional[int] = None, cache_layout: Optional[str] = None,
+                        options: Optional[Options] = None, **option_overrides: Any) -> PlanBook:
+    """Offline (no process group): the decode and prefill plans compile_for_generation
+    would make with these arguments, as a book; `compile_for_generation(..., plan=book or
+    its file)` then solves neither. Decode is planned first and prefill keeps its
+    parameter and cache layouts, as on the ranks."""
+    opts = options_with(options, {"training": False, **option_overrides})
+    mesh_ = Mesh.of(mesh)
+    mesh_.ranks_per_node(opts.nodes)
+    cached = CachedLM(model.eval(), max_batch, max_cache_len)
+    local = LocalBuffers(tuple(cached.cache_names()), (0, 1), _cache_layout(cache_layout, cached, mesh_))
+    steps = Generator(cached, cached.shape, max_cache_len if prefill_len is None else prefill_len).step_inputs()
+    state = whole_state(cached)
+    plans: list[Plan] = []
+    pinned: Optional[dict] = None
+    for inputs in steps:
+        traced = trace(cached, *planning_inputs(cached, inputs, {}), opts.param_dtype)
+        plans.append(plan_local_buffers(traced, mesh_, opts, pinned, local,
+                                        lambda graph: planning.plan_annotated(graph, opts)))
+        if pinned is None:
+            pinned = {name: spec.placements for name, (_, spec) in
+                      state_owners(traced, plans[-1], state.__getitem__).items()}
+    return PlanBook(tuple(plans))
 
 
 def _cache_layout(text: Optional[str], cached: CachedLM, mesh: Mesh) -> Any:

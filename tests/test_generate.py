@@ -83,9 +83,10 @@ def case_generate(rank: int, world: int, family: str, mesh: tuple, cache_layout=
             "cache_moves": _cache_update_moves(decode, pm)}
 
 
-def case_generate_from_book(rank: int, world: int, family: str, mesh: tuple, path: str) -> dict:
+def case_generate_from_book(rank: int, world: int, family: str, mesh: tuple, path: str, offline: str) -> dict:
     """A Generator's book of its two plans, saved, makes a second Generator that solves
-    neither and generates the same tokens."""
+    neither and generates the same tokens; so does the book autopar.plan_for_generation
+    made in one process (`offline`)."""
     import autopar
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -97,7 +98,11 @@ def case_generate_from_book(rank: int, world: int, family: str, mesh: tuple, pat
         again = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH,
                                                max_cache_len=MAX_CACHE, prefill_len=PREFILL, plan=path)
         tokens = [again.generate(ids, NEW) for ids in prompts()]
-    return {"tokens": tokens, "solves": (first.step.solve_count, again.step.solve_count),
+        made_offline = autopar.compile_for_generation(tiny_lm(family), mesh=mesh, max_batch=MAX_BATCH,
+                                                      max_cache_len=MAX_CACHE, prefill_len=PREFILL, plan=offline)
+        offline_tokens = [made_offline.generate(ids, NEW) for ids in prompts()]
+    return {"tokens": tokens, "offline_tokens": offline_tokens, "offline_solves": made_offline.step.solve_count,
+            "solves": (first.step.solve_count, again.step.solve_count),
             "book": [p.digest() for p in first.plan_book.plans], "ran": [p.digest() for p in again.plan_book.plans],
             "layouts": (first.cache_layout, again.cache_layout)}
 
@@ -267,11 +272,20 @@ def test_greedy_equals_one_device_rest_of_grid():
 
 
 @pytest.mark.slow
-def test_a_generators_plan_book_makes_both_plans_without_a_solve(tmp_path):
-    path = str(tmp_path / "book.json")
-    results = run_ranks(2, [(case_generate_from_book, {"family": "llama", "mesh": (2,), "path": path})])
+def test_a_generators_plan_book_offline_or_saved_makes_both_plans_without_a_solve(tmp_path):
+    import autopar
+    path, offline = str(tmp_path / "book.json"), str(tmp_path / "offline.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.plan_for_generation(tiny_lm("llama"), mesh=(2,), max_batch=MAX_BATCH, max_cache_len=MAX_CACHE,
+                                    prefill_len=PREFILL).to_json(offline)
+    results = run_ranks(2, [(case_generate_from_book, {"family": "llama", "mesh": (2,), "path": path,
+                                                       "offline": offline})])
     want = reference_greedy("llama")
     for rank, (res,) in enumerate(results):
+        assert res["offline_solves"] == 0
+        for got, ref in zip(res["offline_tokens"], want):
+            assert torch.equal(got, ref), f"rank {rank}, the offline book:\n{got}\n!=\n{ref}"
         # rank 0 solved decode and prefill for the first Generator; nobody solves for the second
         assert res["solves"] == ((2, 0) if rank == 0 else (0, 0)), res["solves"]
         assert len(res["book"]) == 2 and res["ran"] == res["book"], res

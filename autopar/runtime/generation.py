@@ -80,8 +80,14 @@ class Generator:
 
     def prepare(self) -> None:
         """Plan both steps now, decode first (step 1)."""
-        self.step(*self._decode_inputs(torch.zeros(self.shape.batch, dtype=torch.long), 0))
-        self.step(*self._prefill_inputs(torch.zeros(self.shape.batch, 1, dtype=torch.long)))
+        for inputs in self.step_inputs():
+            self.step(*inputs)
+
+    def step_inputs(self) -> tuple[tuple, tuple]:
+        """Example inputs of the two steps, decode first: what prepare runs, and what
+        autopar.plan_for_generation traces."""
+        return (self._decode_inputs(torch.zeros(self.shape.batch, dtype=torch.long), 0),
+                self._prefill_inputs(torch.zeros(self.shape.batch, 1, dtype=torch.long)))
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: Optional[int] = None,

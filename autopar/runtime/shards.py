@@ -82,19 +82,27 @@ def fill_shards(model: nn.Module, shards: dict[str, torch.Tensor], traced: Trace
                 coords: tuple[int, ...], on_meta: bool) -> dict[str, Spec]:
     """Cut this rank's block of every parameter and buffer the graph reads into its
     shard (left empty on meta); returns each state-dict name's Spec."""
+    owners = state_owners(traced, plan, shards.__getitem__)
+    if not on_meta:
+        for owner, spec in dict(owners.values()).items():  # a tied group's tensor once
+            full = _full_tensor(model, owner)
+            with torch.no_grad():
+                shards[owner].data = shard(full.detach(), spec, plan.mesh.shape, coords)
+    return {target: spec for target, (_, spec) in owners.items()}
+
+
+def state_owners(traced: TracedGraph, plan: Plan, tensor_of: Callable[[str], Any]) -> dict[str, tuple[str, Spec]]:
+    """Each state-dict name the graph holds -> (the name whose placeholder decides its
+    layout, that Spec). Tied names share one tensor (`tensor_of` tells) and one layout:
+    the one of the name the program reads."""
     state_inputs = [gi for gi in traced.inputs if gi.kind.is_state]
     by_target = {gi.target: gi for gi in state_inputs}
     read = {e.producer for e in plan.edges}
-    specs: dict[str, Spec] = {}
-    for group in tied_groups([gi.target for gi in state_inputs], shards.__getitem__):
+    out: dict[str, tuple[str, Spec]] = {}
+    for group in tied_groups([gi.target for gi in state_inputs], tensor_of):
         owner = next((by_target[t] for t in group if by_target[t].name in read), by_target[group[0]])
-        spec = plan.node(owner.name).outputs[0]
-        if not on_meta:
-            full = _full_tensor(model, owner.target)
-            with torch.no_grad():
-                shards[owner.target].data = shard(full.detach(), spec, plan.mesh.shape, coords)
-        specs.update({target: spec for target in group})
-    return specs
+        out.update({target: (owner.target, plan.node(owner.name).outputs[0]) for target in group})
+    return out
 
 
 def store_buffers(shards: dict[str, torch.Tensor], blocks: dict[str, torch.Tensor]) -> None:
