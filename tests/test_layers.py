@@ -59,8 +59,23 @@ def test_every_module_has_a_layer():
     assert orphans == [], f"modules outside every layer (add them to a layer folder): {orphans}"
 
 
-def _loaded_after_import(modules: list[str]) -> dict[str, list[str]]:
-    code = ("import importlib, json, sys\n"
+def _loaded_after_import(modules: list[str], processes: int = 2) -> dict[str, list[str]]:
+    """For each module, the autopar modules loaded by importing it alone: the modules are
+    shared among `processes` fresh interpreters run at once, each clearing autopar from
+    sys.modules between its modules."""
+    chunks = [modules[i::processes] for i in range(processes)]
+    running = [subprocess.Popen([sys.executable, "-c", _import_each(chunk)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for chunk in chunks if chunk]
+    out: dict[str, list[str]] = {}
+    for proc in running:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        out.update(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _import_each(modules: list[str]) -> str:
+    return ("import importlib, json, sys\n"
             f"out = {{}}\n"
             f"for m in {modules!r}:\n"
             "    before = set(sys.modules)\n"
@@ -69,9 +84,6 @@ def _loaded_after_import(modules: list[str]) -> dict[str, list[str]]:
             "    for x in [x for x in sys.modules if x.startswith('autopar')]:\n"
             "        del sys.modules[x]\n"
             "print(json.dumps(out))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def test_importing_a_layer_loads_nothing_above_it():
