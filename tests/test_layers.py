@@ -86,13 +86,16 @@ def _import_each(modules: list[str]) -> str:
             "print(json.dumps(out))\n")
 
 
-def test_importing_a_layer_loads_nothing_above_it():
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, list[str]]:
+    return _loaded_after_import(all_modules())
+
+
+def test_importing_a_layer_loads_nothing_above_it(loaded):
     """A fresh interpreter imports each module in turn (sys.modules cleared of autopar
     between them): what came along must sit in the same layer or below."""
-    modules = all_modules()
-    loaded = _loaded_after_import(modules)
     back_edges = []
-    for m in modules:
+    for m in all_modules():
         own = layer_of(m)
         above = [x for x in loaded[m] if (layer_of(x) or 0) > own]
         if above:
@@ -100,10 +103,9 @@ def test_importing_a_layer_loads_nothing_above_it():
     assert back_edges == [], "\n".join(back_edges)
 
 
-def test_the_planner_loads_without_torch_distributed_process_groups():
-    loaded = _loaded_after_import(["autopar.passes.solve", "autopar.passes.emit"])
-    for m, mods in loaded.items():
-        assert not any(x.startswith("autopar.runtime") for x in mods), (m, mods)
+def test_the_planner_loads_without_torch_distributed_process_groups(loaded):
+    for m in ("autopar.passes.solve", "autopar.passes.emit"):
+        assert not any(x.startswith("autopar.runtime") for x in loaded[m]), (m, loaded[m])
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
