@@ -20,7 +20,6 @@ Nodes keep their names; the graph's meaning does not change, only its order.
 from __future__ import annotations
 
 from collections import OrderedDict
-from math import prod
 
 from torch import fx
 
