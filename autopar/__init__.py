@@ -35,7 +35,6 @@ _EXPORTS = {
     "hand_plan": "autopar.passes.hand_plans",
     "ParallelModule": "autopar.runtime.module",
     "Schedule": "autopar.core.pipeline", "PipelineError": "autopar.core.pipeline",
-    "PipelinedModule": "autopar.runtime.pipeline",
     "verify": "autopar.tools.verify", "VerifyReport": "autopar.tools.verify",
     "compile": "autopar.api", "plan": "autopar.api",
     "compile_for_generation": "autopar.api", "plan_for_generation": "autopar.api", "Generator": "autopar.runtime.generation",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from autopar.runtime.dynamic_programs import DynamicPrograms
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.pipeline import PipelinedModule
+from autopar.runtime.stages import PipelineStages, pipelined_plan
 from autopar.runtime.shards import state_owners, whole_state
 from autopar.runtime.resume import (CheckpointManifest, latest_checkpoint,  # noqa: F401 - re-exported
                                     load_training_checkpoint, resume, save_training_checkpoint)
@@ -37,7 +37,7 @@ __all__ = ["CheckpointManifest", "compile", "compile_for_generation", "latest_ch
 def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dict] = None, *,
             mesh: Any, options: Optional[Options] = None, plan: Any = None,
             materialize_on: Any = None, loss_fn: Any = None,
-            **option_overrides: Any) -> "ParallelModule | PipelinedModule":
+            **option_overrides: Any) -> ParallelModule:
     """Parallelise `model` over `mesh` on the initialised process group.
 
     Without `args`/`kwargs` it is traced and planned at the first call (per input
@@ -53,15 +53,16 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     `dynamic=True` (or autopar.Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s))) traces
     batch and sequence dims as symbolic: one trace and one plan serve every size in the
     range (autopar/core/dynamic.py; pm.plans lists what was planned).
-    `pipeline_axis=` (an axis or "auto"), `microbatches=`, `pipeline_schedule=`: a
-    PipelinedModule whose stages run under torch.distributed.pipelining; it needs example
-    inputs and `loss_fn(output, target)`, and pipe.step(*args, target=..., **kwargs) trains.
+    `pipeline_axis=` (an axis or "auto"), `microbatches=`, `pipeline_schedule=`: the
+    planner may choose a pipeline, whose stages run under torch.distributed.pipelining
+    (autopar/runtime/stages.py); it needs example inputs and `loss_fn(output, target)`.
+    `loss_fn` given, pm.step(*args, target=..., **kwargs) trains one step whatever the plan.
     """
     opts = options_with(options, option_overrides)
-    if opts.pipeline_axis is not None:  # autopar/runtime/pipeline.py
+    if opts.pipeline_axis is not None:
         return _pipelined(model, args, kwargs, Mesh.of(mesh), opts, plan, loss_fn)
     check_launch_layout(Mesh.of(mesh), opts.nodes)
-    pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on)
+    pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on, loss_fn=loss_fn)
     if args is not None or kwargs is not None:
         if args is not None and not isinstance(args, (tuple, list)):
             args = (args,)
@@ -70,7 +71,7 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
 
 
 def _pipelined(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, opts: Options, plan: Any,
-               loss_fn: Any) -> PipelinedModule:
+               loss_fn: Any) -> ParallelModule:
     if loss_fn is None or (args is None and kwargs is None):
         raise PipelineError(f"pipeline_axis={opts.pipeline_axis!r} needs example inputs and a loss: "
                             "autopar.compile(model, args, kwargs, mesh=..., pipeline_axis=..., loss_fn=fn) with "
@@ -78,7 +79,15 @@ def _pipelined(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, 
     check_launch_layout(mesh, opts.nodes)
     given = Plan.from_json(plan) if isinstance(plan, (str, os.PathLike)) else plan
     args = tuple(args) if isinstance(args, (tuple, list)) else (() if args is None else (args,))
-    return PipelinedModule(model, args, dict(kwargs or {}), mesh, opts, loss_fn, given)
+    kwargs = dict(kwargs or {})
+    chosen = pipelined_plan(model, args, kwargs, mesh, opts, given)
+    if chosen.pipeline is None:  # pipeline_axis="auto" found that pipelining does not pay
+        pm = ParallelModule(model, mesh, replace(opts, pipeline_axis=None), chosen, loss_fn=loss_fn)
+        pm.prepare(args, kwargs)
+        return pm
+    stages = PipelineStages(model, args, kwargs, mesh, opts, loss_fn, chosen,
+                            planned_here=given is None and dist.get_rank() == 0)
+    return ParallelModule(model, mesh, opts, loss_fn=loss_fn, stages=stages)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),

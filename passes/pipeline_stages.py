@@ -6,7 +6,7 @@
     StageSplit --each stage's module traced at its inputs, solved on the sub-mesh--> Plans
 
 The planner stores those plans in Plan.stage_plans (passes/pipeline.plan_model), so a
-saved pipelined plan is the whole contract: the runtime (runtime/pipeline.py) builds the
+saved pipelined plan is the whole contract: the runtime (runtime/stages.py) builds the
 same StageSplit from its own copy of the model, gives each stage its plan, and no rank
 solves. The split is deterministic (the model, the inputs and the block boundaries fix
 it), so the stage graphs a rank traces have the fingerprints the plans were made for.

@@ -76,7 +76,7 @@ def case_generate(rank: int, world: int, family: str, mesh: tuple, cache_layout=
             out.update(_bad_requests(gen, rank))
             out["longest"] = gen.generate(longest_prompt(), MAX_CACHE - PREFILL + 1)  # fills the cache exactly
     pm = gen.step
-    decode = next(c.plan for c in pm.programs.values() if c.traced.inputs[-1].meta.shape == (1,))
+    decode = next(c.plan for c in pm.programs if c.traced.inputs[-1].meta.shape == (1,))
     return {**out, "plans": len(pm.programs), "layout": str(pm.state_specs["key_cache_0"]),
             "local_cache": tuple(pm.state_tensors["key_cache_0"].shape),
             "full_cache": (gen.shape.batch, gen.shape.kv_heads, gen.shape.length, gen.shape.head_dim),
@@ -132,7 +132,7 @@ def longest_prompt() -> torch.Tensor:
 
 def _cache_update_moves(plan, pm) -> int:
     """Communicating steps on the edges that carry a new cache value to the output."""
-    compiled = next(iter(pm.programs.values()))
+    compiled = next(iter(pm.programs))
     updates = {u.index for u in compiled.traced.buffer_updates if "_cache_" in u.target and "length" not in u.target}
     return sum(1 for e in plan.edges if e.consumer == "output" and e.position in updates
                for step in e.steps if step.kind.communicates)

@@ -202,7 +202,6 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     solves where it runs."""
     import copy
     from autopar.core.mesh import Mesh
-    from autopar.runtime.pipeline import PipelinedModule
     from autopar.runtime.state import gather_full
     warnings.simplefilter("ignore")
     depth = {"gpt2": {"n_layer": layers}, "llama": {"num_hidden_layers": layers}}[family]
@@ -225,12 +224,14 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
         given = os.path.join(tempfile.mkdtemp(), "pipelined.json")
         autopar.Plan.from_dict(saved).to_json(given)
     pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=mesh, options=options, loss_fn=lm_loss, plan=given)
-    assert isinstance(pipe, PipelinedModule)
+    assert type(pipe) is autopar.ParallelModule and pipe.stages is not None  # one executor for every plan
+    with pytest.raises(PipelineError, match=r"pm.step\(\*args, target=\.\.\., \*\*kwargs\), not pm\(\.\.\.\)"):
+        pipe(input_ids=ids)
     with pytest.raises(PipelineError, match=f"microbatches={microbatches} does not divide the batch"):
         pipe.step(input_ids=ids[:3], target=ids[:3])
     loss = pipe.step(input_ids=ids, target=ids)
     grads = {}
-    for stage in pipe.stages:
+    for stage in pipe.stages.stages:
         pm = stage.pm
         for name, spec in pm.state_specs.items():
             param = pm.shards.get_parameter(name) if name in dict(pm.shards.named_parameters()) else None
@@ -240,7 +241,7 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if lead else {},
             "ref_grads": {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None},
             "stages": [(s.first, s.stop) for s in pipe.plan.pipeline.stages],
-            "split_inputs": sum(r < s.pm.mesh.size for s in pipe.stages for r in s.replicas),
+            "split_inputs": sum(r < s.pm.mesh.size for s in pipe.stages.stages for r in s.replicas),
             "solves": pipe.solve_count, "stage_plans": len(pipe.plan.stage_plans)}
 
 
@@ -252,7 +253,7 @@ def _check_pipeline(results: list, case: int) -> None:
         torch.testing.assert_close(loss, per_rank[0]["ref_loss"], rtol=1e-5, atol=1e-6)
     ref = per_rank[0]["ref_grads"]
     # a tied weight (GPT-2's wte and lm_head) has a copy in the first and in the last
-    # stage; both get the one-device gradient (runtime/pipeline.py sync_tied_grads)
+    # stage; both get the one-device gradient (runtime/stages.py sync_tied_grads)
     pairs = [(name, g) for r in per_rank for name, g in r["grads"].items()]
     covered = {min(n for n in ref if ref[n] is ref[name]) for name, _ in pairs}
     assert {min(n for n in ref if ref[n] is g) for g in ref.values()} <= covered, sorted(covered)
@@ -286,7 +287,8 @@ def plain_case(rank: int, world: int) -> dict:
     pipe = autopar.compile(model, (), {"input_ids": ids}, mesh=(2, 4), pipeline_axis="auto", microbatches=2,
                            training=True, device=CHEAP_COMM, plan=plain, loss_fn=lm_loss)
     loss = pipe.step(input_ids=ids, target=ids)
-    pm = pipe.plain
+    assert type(pipe) is autopar.ParallelModule and pipe.stages is None
+    pm = pipe
     grads = {name: gather_full(pm.shards.get_parameter(name).grad, spec, pm) for name, spec in pm.state_specs.items()
              if name in dict(pm.shards.named_parameters()) and pm.shards.get_parameter(name).grad is not None}
     return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if rank == 0 else {},
@@ -313,7 +315,7 @@ def _against_one_device(model: torch.nn.Module, width: tuple[int, int], mesh: tu
                            pipeline_schedule=schedule)
     loss = pipe.step(x, target=y)
     grads = {name: gather_full(s.pm.shards.get_parameter(name).grad, spec, s.pm)
-             for s in pipe.stages for name, spec in s.pm.state_specs.items()
+             for s in pipe.stages.stages for name, spec in s.pm.state_specs.items()
              if name in dict(s.pm.shards.named_parameters())}
     lead = all(c == 0 for c in mesh_coords(mesh, rank)[1:])
     return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads if lead else {},
@@ -334,7 +336,7 @@ def skip_case(rank: int, world: int, mesh: tuple, schedule: str) -> dict:
     through the stages between (passes/pipeline_relay.py); the first state's gradient
     comes back along the relay into stage 0's input layer."""
     out, pipe = _against_one_device(SkipNet().train(), (8, 8), mesh, schedule, rank)
-    return {**out, "relayed": sorted(k for k, s in enumerate(pipe.stages) if s.relay)}
+    return {**out, "relayed": sorted(k for k, s in enumerate(pipe.stages.stages) if s.relay)}
 
 
 def test_values_that_skip_stages_are_relayed_with_their_gradients():
@@ -398,14 +400,15 @@ def test_pipelined_losses_and_gradients_match_one_device():
     assert results[0][5]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert results[0][6]["stages"] == [(0, 1), (1, 2)]
     # the stages' own plans split some input they receive, so the gradients sent back are
-    # assembled from blocks (runtime/pipeline.py step 4), not merely passed through
+    # assembled from blocks (runtime/stages.py step 4), not merely passed through
     assert sum(r[i]["split_inputs"] for r in results for i in range(2)) > 0
     assert all("the given plan was made for LlamaForCausalLM" in r[2]["mismatch"] for r in results)
-    # every stage runs the plan rank 0 made for it, stored in the pipelined plan: no rank
-    # solves, also where that plan came from a file made offline (case 6)
+    # every stage runs the plan rank 0 made for it, stored in the pipelined plan: only rank
+    # 0 solves (the pipelined plan, once), and no rank where that plan came from a file
+    # made offline (case 6)
     for i in (0, 5, 6):
-        assert all(r[i]["solves"] == 0 and r[i]["stage_plans"] == len(r[i]["stages"]) for r in results), \
-            [(r[i]["solves"], r[i]["stage_plans"]) for r in results]
+        assert all(r[i]["stage_plans"] == len(r[i]["stages"]) for r in results), [r[i]["stage_plans"] for r in results]
+        assert [r[i]["solves"] for r in results] == [0 if i == 6 else 1] + [0] * 7, [r[i]["solves"] for r in results]
     # a pipelined plan without stage plans: the first rank of each stage's sub-mesh solves
     assert [r[1]["solves"] for r in results] == [1, 0, 0, 0, 1, 0, 0, 0] and results[0][1]["stage_plans"] == 0
 
@@ -426,7 +429,7 @@ def test_the_first_stage_takes_every_keyword_and_later_stages_none():
     """torch's interleaved schedule hands the step's keywords to every stage of a rank: the
     first stage must take them all (a keyword its plan never saw fails there, as the model
     would, instead of being dropped unread); a later stage takes none."""
-    from autopar.runtime.pipeline import StageModule
+    from autopar.runtime.stages import StageModule
 
     class Seen:
         def __call__(self, *args, **kwargs):
@@ -439,3 +442,41 @@ def test_the_first_stage_takes_every_keyword_and_later_stages_none():
         stage = StageModule(pm, None, torch.fx.symbolic_trace(torch.nn.Identity()), first=first)
         stage(x, input_ids=x, attention_mask=x)
         assert set(pm.kwargs) == want
+
+
+def one_program_step_case(rank: int, world: int) -> dict:
+    """pm.step on a plan of one program (no pipeline): forward, loss, backward, as for a
+    pipelined plan; without a loss_fn it is refused."""
+    import copy
+    from autopar.runtime.state import gather_full
+    from tests.models import MLP
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = MLP((16, 32, 16)).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    pm = autopar.compile(model, (x,), mesh=(world,), training=True, loss_fn=mse)
+    loss = pm.step(x, target=y)
+    grads = {name: gather_full(pm.shards.get_parameter(name).grad, spec, pm) for name, spec in pm.state_specs.items()}
+    bare = autopar.compile(copy.deepcopy(ref), (x,), mesh=(world,), training=True)
+    try:
+        bare.step(x, target=y)
+        refused = ""
+    except PipelineError as e:
+        refused = str(e)
+    return {"loss": loss, "ref_loss": ref_loss.detach(), "grads": grads, "refused": refused,
+            "ref_grads": {k: p.grad for k, p in ref.named_parameters()}, "stages": pm.stages}
+
+
+def test_step_trains_a_plan_of_one_program_as_it_trains_a_pipeline():
+    from tests.harness import run_ranks
+    for (res,) in run_ranks(2, [(one_program_step_case, {})]):
+        assert res["stages"] is None
+        torch.testing.assert_close(res["loss"], res["ref_loss"], rtol=1e-5, atol=1e-6)
+        assert set(res["grads"]) == set(res["ref_grads"])
+        for name, g in res["grads"].items():
+            torch.testing.assert_close(g, res["ref_grads"][name], rtol=1e-4, atol=1e-5)
+        assert "pm.step(...) needs the loss" in res["refused"], res["refused"]

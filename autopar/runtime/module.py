@@ -33,6 +33,7 @@ from autopar.core.errors import InputMismatchError, MeshError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
+from autopar.core.pipeline import PipelineError
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook, given_plans
@@ -46,13 +47,16 @@ from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.call_agreement import CallSignature, agree_on_call
 from autopar.runtime.step_runner import step_runner
 from autopar.runtime.compiling import compiled_program
-from autopar.runtime.dynamic_programs import DynamicPrograms, PlannedSignature
+from autopar.runtime.dynamic_programs import PlannedSignature
+from autopar.runtime.programs import ProgramCache
 from autopar.runtime.groups import MeshGroups, mesh_groups
-from autopar.runtime.measure import (calibrate_program, default_profile_path, profile_compute, profile_for_mesh,
-                                     samples_of, save_profile)
+from autopar.runtime.checkpoint_view import CheckpointView, ShardView
+from autopar.runtime.measure import default_profile_path, profile_for_mesh
+from autopar.runtime.measured_plan import measured_plan
 from autopar.runtime.planner import agreed_plan, attempt
 from autopar.runtime.shipping import Inputs, shared_trace
-from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers, whole_state
+from autopar.runtime.step import Stages, one_program_step
+from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers
 from autopar.runtime.state import ShardedStateMethods
 
 
@@ -68,35 +72,44 @@ class Compiled:
 
 
 class ParallelModule(ShardedStateMethods, nn.Module):
+    """Runs any Plan on this rank: one program per input signature, or, for a pipelined
+    plan, this rank's stages under torch's schedule (`stages`). pm.step(*args,
+    target=..., **kwargs) trains one step whichever it is."""
+
     def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | PlanBook | str | None" = None,
                  materialize_on: "torch.device | str | None" = None,
-                 local_buffers: Optional[LocalBuffers] = None, groups: Optional[MeshGroups] = None) -> None:
+                 local_buffers: Optional[LocalBuffers] = None, groups: Optional[MeshGroups] = None,
+                 loss_fn: Optional[Callable[..., torch.Tensor]] = None, stages: Optional[Stages] = None) -> None:
         """`local_buffers`: buffers (a KV cache) whose layout is chosen among candidate
         splits by solving once per candidate, each rank then keeping its block of their
         updates without communication (passes/buffer_layouts.py). `groups`: the groups of
-        a sub-mesh (a pipeline stage's, groups.stage_groups); default: the whole world."""
+        a sub-mesh (a pipeline stage's, groups.stage_groups); default: the whole world.
+        `loss_fn(output, target)`: what step() minimises. `stages`: a pipelined plan's."""
         super().__init__()
-        self.mesh, self.options = mesh, options
+        self.mesh, self.options, self.loss_fn, self.stages = mesh, options, loss_fn, stages
         self.device, self.on_meta = _model_device(model, materialize_on)
+        if stages is not None:  # the stages hold the shards, groups and programs
+            self.stage_modules = nn.ModuleList(stages.modules())
+            groups = MeshGroups(mesh, dist.get_rank(), (), None, None)
         groups = groups or mesh_groups(mesh, self.device, options.collective_timeout_s)
         self.group = groups.group  # the ranks that trace and plan together (None: the world)
         self.span = groups.span  # the same ranks over gloo, under Options.collective_timeout_s
         self.rank, self.coords, self.comms, self.device_mesh = groups.rank, groups.coords, groups.comms, groups.device_mesh
         self.__dict__["source_model"] = model  # not a submodule: its full parameters are not ours
-        self.shards, self.state_tensors = empty_shards(model, self.device, _BucketsOf(self))
+        self.shards, self.state_tensors = ((nn.Module(), {}) if stages is not None
+                                           else empty_shards(model, self.device, _BucketsOf(self)))
         self.state_specs: dict[str, Spec] = {}  # state-dict name -> Spec of its shard
-        self.programs: dict[tuple, Compiled] = {}  # input signature -> its program
+        compile_ref = weakref.WeakMethod(self._compile)  # the cache does not keep the module alive
+        self.programs = ProgramCache(Dynamic.of(options.dynamic), lambda *a, **kw: compile_ref()(*a, **kw))
         self.current: Optional[Compiled] = None  # the program of the last call (or of compile's inputs)
         self.loaded = not self.on_meta  # a meta model's shards are filled by a load
         self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None  # layouts later plans keep
         self._armed: Optional[GradBuckets] = None  # the buckets the running backward fills
         self._given, self._given_source = given_plans(plan)
         self.local_buffers = local_buffers
-        self._dynamic = Dynamic.of(options.dynamic)
-        self._dynamic_programs: dict[bool, DynamicPrograms] = {}  # the source model's mode -> its programs
         super().train(model.training)  # pm.training says what the model is traced in
         self.trace_count = 0  # traces this rank took part in (rank 0 traces, the others load its graph)
-        self.solve_count = 0  # ILP solves this rank ran (rank 0 solves for every rank)
+        self.solve_count = 0 if stages is None else stages.solve_count  # ILP solves this rank ran (rank 0's)
         self.calls = 0  # forward calls, numbered in the error when the ranks' inputs differ
         self.agreed_calls = 0  # calls whose inputs this module agreed between the ranks itself
         self._caller_agrees = False  # inside agreed_by_caller()
@@ -111,27 +124,17 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return self
 
     @property
-    def dynamic(self) -> Optional[DynamicPrograms]:
-        """Options.dynamic's programs for the model's current mode (None without it)."""
-        if self._dynamic is None:
-            return None
-        mode = self.source_model.training
-        if mode not in self._dynamic_programs:
-            self._dynamic_programs[mode] = DynamicPrograms(self._dynamic, self._compile)
-        return self._dynamic_programs[mode]
-
-    @property
     def plan(self) -> Plan:
-        return self._require_current().plan
+        return self.stages.plan if self.stages is not None else self._require_current().plan
 
     @property
     def plan_book(self) -> PlanBook:
         """Every plan this module has run or prepared, one per traced graph, in the order
         they were made: saved with .to_json(path), `compile(..., plan=path)` runs all of
         those calls without solving."""
-        compiled = list(self.programs.values()) + [c for programs in self._dynamic_programs.values()
-                                                   for c in programs.compiled_programs()]
-        return PlanBook.of([c.plan for c in compiled])
+        if self.stages is not None:
+            return PlanBook.of([self.stages.plan])
+        return PlanBook.of([c.plan for c in self.programs.all()])
 
     @property
     def code(self) -> str:
@@ -147,6 +150,9 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         """Run one step. By default every rank passes the same full inputs; with
         local_inputs=True each rank passes only its own block of every input (as
         `input_specs` / `shard_inputs` describe). Local inputs need an existing plan."""
+        if self.stages is not None:
+            raise PipelineError("a pipelined plan runs its microbatches through torch's schedule: train with "
+                                "pm.step(*args, target=..., **kwargs), not pm(...)")
         tensors, spec, consts = flatten_inputs(args, kwargs)
         compiled = self._agreed_call(args, kwargs, tensors, spec, consts, local_inputs)
         if not self.loaded:
@@ -161,6 +167,34 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         store_buffers(self.state_tensors, buffer_blocks(compiled.program, compiled.traced, compiled.plan, outputs,
                                                         self.mesh.shape))
         return _compat.tree_unflatten(compiled.traced.user_outputs(outputs), compiled.traced.out_spec)
+
+    def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> Optional[torch.Tensor]:
+        """One training step, whatever the plan: forward, loss_fn(output, target), backward;
+        gradients are left in pm.parameters(). loss_fn sees the output as torch's pipeline
+        gives it to the last stage (its tensor leaves; the one tensor when there is one).
+        Returns the loss (a pipeline's mean over microbatches, on the last stage's ranks,
+        None on the others)."""
+        if self.loss_fn is None:
+            raise PipelineError("pm.step(...) needs the loss: autopar.compile(model, ..., loss_fn=fn) with "
+                                "fn(output, target) -> loss")
+        if self.stages is not None:
+            return self.stages.step(*args, target=target, **kwargs)
+        return one_program_step(self, self.loss_fn, args, kwargs, target)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer gathered whole (on every rank), under the original
+        model's state-dict names: loadable with model.load_state_dict. Every rank calls it."""
+        return self.stages.full_state_dict() if self.stages is not None else super().full_state_dict()
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """This rank's block of each full tensor into its shards (keys: the model's names)."""
+        if self.stages is not None:
+            return self.stages.load_full_state_dict(state_dict)
+        super().load_full_state_dict(state_dict)
+
+    def checkpoint_view(self) -> CheckpointView:
+        """What save_training_checkpoint / load_training_checkpoint read and write here."""
+        return self.stages.checkpoint_view() if self.stages is not None else ShardView(self)
 
     @property
     def input_specs(self) -> dict[str, Spec]:
@@ -212,6 +246,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return compiled if local_inputs else self._compiled(args, kwargs)
 
     def _require_current(self) -> Compiled:
+        if self.stages is not None:
+            raise PipelineError("a pipelined plan has a program per stage: read them as pm.stages.modules()")
         if self.current is None:
             raise RuntimeError("no plan yet: the module is planned at its first call (or pass example inputs "
                                "to autopar.compile to plan eagerly)")
@@ -225,18 +261,10 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     def plans(self) -> list[PlannedSignature]:
         """The input signatures planned so far, in order (with Options.dynamic, each with
         its symbolic dims, their ranges and the sizes the plan was priced at)."""
-        static = [PlannedSignature(tuple((p, s, dtype) for p, (s, dtype) in zip(c.traced.input_paths, key[2])))
-                  for key, c in self.programs.items()]
-        return static + [p for programs in self._dynamic_programs.values() for p in programs.plans]
+        return self.programs.signatures()
 
     def _compiled(self, args: tuple, kwargs: dict) -> Compiled:
-        if self.dynamic is not None:
-            return self.dynamic.compiled(args, kwargs)
-        tensors, spec, consts = flatten_inputs(args, kwargs)
-        key = _signature(tensors, spec, consts) + (self.source_model.training,)
-        if key not in self.programs:
-            self.programs[key] = self._compile(args, kwargs)
-        return self.programs[key]
+        return self.programs.compiled(args, kwargs, self.source_model.training)
 
     def _compile(self, args: tuple, kwargs: dict, dynamic_shapes: Optional[tuple] = None) -> Compiled:
         """Trace (with torch.export Dims where `dynamic_shapes` gives them) and plan."""
@@ -282,36 +310,22 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return self._solve_graph(annotate(traced, self.mesh, self._pinned, self.options.discover_rules), profile, user)
 
     def _solve_graph(self, graph: AnnotatedGraph, profile, user: Optional[list[torch.Tensor]] = None) -> Plan:
-        """With a profile: the strategies' ops timed first, and the first plan's program
-        timed whole (with `user`, the inputs, on a model with weights), then planned
-        again with what that says of ops inside a program (Profile.program_factor)."""
+        """With a profile, measured first (runtime/measured_plan.py)."""
         if profile is None:
             return plan_annotated(graph, self.options, profile)
-        training = graph.traced.training if self.options.training is None else self.options.training
-        profile_compute(samples_of(graph, self.mesh.shape), profile, self.device, self.options.profile_budget_s,
-                        backward=training)
-        plan = plan_annotated(graph, self.options, profile)
-        if user is not None and not self.on_meta and calibrate_program(
-                graph.traced, plan, profile, self.device, whole_state(self.source_model), user, training,
-                self.options.profile_budget_s):
-            plan = plan_annotated(graph, self.options, profile)
-        save_profile(profile, self._profile_path())
-        return plan
+        return measured_plan(graph, self.options, profile, self.device, None if self.on_meta else self.source_model,
+                             user, self._profile_path())
 
     def _compiled_for_local(self, tensors: list[torch.Tensor], spec: Any, consts: tuple) -> Compiled:
-        if self.dynamic is not None:
-            found = self.dynamic.for_local(tensors, (str(spec), repr(consts)), self.mesh.shape, _user_specs)
-            if found is not None:
-                return found
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        for key, compiled in self.programs.items():
-            if key[:2] == (str(spec), repr(consts)) and key[3] == self.source_model.training and shapes == tuple(
-                    (s.local_shape_at(self.mesh.shape, self.coords), s.meta.dtype) for s in _user_specs(compiled)):
-                return compiled
+        found = self.programs.for_local(
+            tensors, spec, consts, self.source_model.training, self.mesh.shape, _user_specs,
+            lambda c: tuple((s.local_shape_at(self.mesh.shape, self.coords), s.meta.dtype) for s in _user_specs(c)))
+        if found is not None:
+            return found
         raise InputMismatchError(
-            f"no plan takes local inputs of shapes {[s for s, _ in shapes]} on rank {self.rank}: call the module once "
-            "with full inputs (or compile with example inputs) so the global shapes are known, then pass each "
-            "rank's block as pm.shard_inputs(...) gives it")
+            f"no plan takes local inputs of shapes {[tuple(t.shape) for t in tensors]} on rank {self.rank}: call the "
+            "module once with full inputs (or compile with example inputs) so the global shapes are known, then pass "
+            "each rank's block as pm.shard_inputs(...) gives it")
 
 
 class _BucketsOf:
@@ -326,10 +340,6 @@ class _BucketsOf:
         if pm is not None and pm._armed is not None:
             return pm._armed.gradient(param, grad)
         return None
-
-
-def _signature(tensors: list[torch.Tensor], spec: Any, consts: tuple) -> tuple:
-    return (str(spec), repr(consts), tuple((tuple(t.shape), t.dtype) for t in tensors))
 
 
 def _user_specs(compiled: Compiled) -> list[Spec]:

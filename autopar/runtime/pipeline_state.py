@@ -36,6 +36,7 @@ from torch import nn
 from autopar.core.errors import CheckpointError
 from autopar.core.pipeline import PipelinePlan
 from autopar.runtime.checkpoint_files import digest
+from autopar.runtime.checkpoint_view import layout_digest
 from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
 
 MODEL_PREFIXES = ("model/", "optim/")  # what a rank saves per stage; "rng/rank<r>" is per rank already
@@ -143,17 +144,21 @@ def pipeline_layout(plan: PipelinePlan) -> dict:
 
 
 class PipelineCheckpoint:
-    """The save/load entries of one rank of a pipelined model (step 3)."""
+    """The save/load entries of one rank of a pipelined model (step 3): a CheckpointView
+    (autopar/runtime/checkpoint_view.py)."""
 
     def __init__(self, stages: list[tuple[int, Any]], mesh: Any, coordinate: int, plan: PipelinePlan,
-                 state_meta: tuple) -> None:
+                 state_meta: tuple, plan_digest: str) -> None:
         self.mesh, self.shards = mesh, RankStages(stages)  # the whole mesh (the manifest's); the stages' sub-mesh
         self.prefix = f"pipe{coordinate}/"
         self.layout = pipeline_layout(plan)
-        self.model_digest = digest(state_meta)
+        self._digests = (digest(state_meta), layout_digest(self.shards), plan_digest)
 
     def _own(self, key: str) -> bool:
         return key.startswith(MODEL_PREFIXES)
+
+    def require_plan(self, doing: str) -> None:
+        """A pipelined model's stages are planned when it is built."""
 
     def entries(self, optimizer: Any, rank: int) -> dict[str, Any]:
         return {self.prefix + k if self._own(k) else k: v
@@ -173,8 +178,21 @@ class PipelineCheckpoint:
     def group_names(self, optimizer: Any) -> list[list[Any]]:
         return param_group_names(self.shards, optimizer)
 
+    def recorded_groups(self, optimizer: Any) -> list:
+        """Every rank's groups (each holds its own stages' parameters), rank by rank."""
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, self.group_names(optimizer))
+        return out
+
+    def own_groups(self, recorded: list) -> list:
+        return recorded[dist.get_rank()]
+
     def check_layout(self, saved: Optional[dict], path: str) -> None:
+        """The keys are per stage: a checkpoint of another split cannot be read."""
         if saved != self.layout:
             raise CheckpointError(f"checkpoint {path} was saved with pipeline stages {saved} (None: not pipelined); "
                                   f"this run has {self.layout}. Resume with the same split: pass the saving run's "
                                   "plan (plan=...) with the same mesh, pipeline_axis and pipeline_schedule", path)
+
+    def digests(self) -> tuple[str, str, str]:
+        return self._digests

@@ -69,23 +69,23 @@ def _priced_at(traced: TracedGraph) -> PricedAt:
 
 def _solved_on_rank0(traced: Optional[TracedGraph], problem: Optional[Exception], solve: Solve,
                      rank: int, group: Any = None) -> tuple[Optional[Plan], Optional[Exception]]:
-    box: list = [problem]
-    error: Optional[Exception] = None
-    if rank == 0 and problem is None:
-        plan, error = attempt(lambda: solve(traced))
-        box[0] = plan if error is None else sendable(error)
-    dist.broadcast_object_list(box, src=first_rank(group), group=group)
+    """Rank 0's plan through `agreed` (rank 0's tracing error, or its solve's, reaches every
+    rank); a rank's own tracing error comes first."""
+    plan, error = attempt(lambda: agreed(lambda: _raise(problem) if problem is not None else solve(traced), group))
     if problem is not None:
         return None, problem
-    if isinstance(box[0], Exception):
-        return None, error if error is not None else from_rank(box[0], 0)
-    plan = box[0]
+    if error is not None:
+        return None, error
     if plan.fingerprint != traced.fingerprint:
         return None, FingerprintMismatchError(
             f"rank {rank} traced a different graph (fingerprint {traced.fingerprint}) than rank 0 "
             f"({plan.fingerprint}); every rank must pass the same model and input shapes",
             expected=plan.fingerprint, found=traced.fingerprint)
     return plan, None
+
+
+def _raise(error: Exception) -> Any:
+    raise error
 
 
 def attempt(fn: Callable[[], Any]) -> tuple[Any, Optional[Exception]]:
@@ -98,13 +98,16 @@ def attempt(fn: Callable[[], Any]) -> tuple[Any, Optional[Exception]]:
 
 
 def agreed(make: Callable[[], Any], group: Any = None) -> Any:
-    """What the group's first rank makes (a pipelined plan), sent to every rank of the
-    group; an error there is raised on every rank."""
+    """What the group's first rank makes (a plan), sent to every rank of the group; an
+    error there is raised on every rank. The one way ranks take rank 0's work."""
     box: list = [None]
+    error: Optional[Exception] = None
     if dist.get_rank(group) == 0:
         value, error = attempt(make)
         box[0] = value if error is None else sendable(error)
     dist.broadcast_object_list(box, src=first_rank(group), group=group)
+    if error is not None:  # the first rank raises its own error, traceback and all
+        raise error
     if isinstance(box[0], Exception):
         raise from_rank(box[0], first_rank(group))
     return box[0]

@@ -60,11 +60,9 @@ import torch.distributed.checkpoint as dcp
 from autopar.core.errors import CheckpointError
 from autopar.core.files import write_json_atomic
 from autopar.runtime.checkpoint_files import (MANIFEST, CheckpointManifest, checkpoint_dir, complete_checkpoints,
-                                              digest, file_facts, fsync_dir, latest_checkpoint, list_files,
+                                              file_facts, fsync_dir, latest_checkpoint, list_files,
                                               verify_files)
-from autopar.runtime.pipeline_state import PipelineCheckpoint
-from autopar.runtime.state import ShardedModel
-from autopar.runtime.train_state import load_targets, param_group_names, restore, training_entries
+from autopar.runtime.checkpoint_view import CheckpointView
 
 _TEMP = ".tmp-"
 _STALE = ".stale-"  # a later step's checkpoint set aside by a save of an earlier step
@@ -75,20 +73,19 @@ class PlanChangedWarning(UserWarning):
 
 
 # ---- save -------------------------------------------------------------------------------
-def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike", step: int, *,
+def save_training_checkpoint(pm: Any, optimizer: Any, root: "str | os.PathLike", step: int, *,
                              keep: Optional[int] = 2, extra: Optional[dict] = None) -> str:
     """Save model shards, optimiser state, `step` and the RNGs of every rank under
     root/step-N, atomically (see the module docstring); every rank calls it. Keeps the
     newest `keep` checkpoints (None: all). Returns the checkpoint's path."""
     _check_save_arguments(step, keep, extra)
-    pm = _view(pm)
-    _require_plan(pm, "saving")
+    view = _view(pm)
+    view.require_plan("saving")
     rank, world = dist.get_rank(), dist.get_world_size()
     root, final = os.fspath(root), checkpoint_dir(root, step)
     temp = f"{final}{_TEMP}{_broadcast(uuid.uuid4().hex[:8] if rank == 0 else None)}"  # 1.
     try:  # 2.
-        dcp.save(pm.entries(optimizer, rank) if _piped(pm) else training_entries(pm, optimizer, rank),
-                 checkpoint_id=temp)
+        dcp.save(view.entries(optimizer, rank), checkpoint_id=temp)
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP raised on every rank: none renames
         if rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
@@ -102,9 +99,9 @@ def save_training_checkpoint(pm: ShardedModel, optimizer: Any, root: "str | os.P
         if problem:
             raise CheckpointError(problem, temp)
         files = sorted(f for part in facts for f in part)
-        groups = _group_names(pm, optimizer) if optimizer is not None else None
+        groups = view.recorded_groups(optimizer) if optimizer is not None else None
         stale = _on_rank0(f"completing checkpoint {final}", temp,  # 4.
-                          lambda: _complete(temp, final, _manifest(pm, step, world, files, extra or {}, groups)))
+                          lambda: _complete(temp, final, _manifest(view, step, world, files, extra or {}, groups)))
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
@@ -152,16 +149,13 @@ def _on_rank0(doing: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
     return value
 
 
-def _manifest(pm: ShardedModel, step: int, world: int, files: list, extra: dict,
+def _manifest(view: CheckpointView, step: int, world: int, files: list, extra: dict,
               groups: Optional[list]) -> CheckpointManifest:
-    current = getattr(pm, "current", None)
-    specs = pm.shards.state_specs if _piped(pm) else pm.state_specs
+    model, layout, plan = view.digests()
     return CheckpointManifest(
-        step=step, world_size=world, mesh=tuple(pm.mesh.shape), model_digest=_model_digest(pm),
-        layout_digest=digest((n, str(s)) for n, s in sorted(specs.items())),
-        plan_digest=current.plan.digest() if current is not None else "", files=tuple(files), extra=dict(extra),
-        param_groups=None if groups is None else tuple(tuple(g) for g in groups),
-        pipeline=pm.layout if _piped(pm) else None)
+        step=step, world_size=world, mesh=tuple(view.mesh.shape), model_digest=model, layout_digest=layout,
+        plan_digest=plan, files=tuple(files), extra=dict(extra),
+        param_groups=None if groups is None else tuple(tuple(g) for g in groups), pipeline=view.layout)
 
 
 def _complete(temp: str, final: str, manifest: CheckpointManifest) -> list[str]:
@@ -202,7 +196,7 @@ def _prune(root: str, keep: Optional[int], keep_path: str) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------
-def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.PathLike") -> CheckpointManifest:
+def load_training_checkpoint(pm: Any, optimizer: Any, path: "str | os.PathLike") -> CheckpointManifest:
     """Restore model shards, optimiser state (optimizer=None skips it) and this rank's
     RNGs from a complete checkpoint; every rank calls it with the same path. Returns its
     manifest (manifest.step is where to continue). A checkpoint that is incomplete,
@@ -210,18 +204,17 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
     CheckpointError on every rank, before anything is changed: dcp.load fills fresh
     tensors, copied into the model only once everything was read."""
     path = os.fspath(path)
-    pm = _view(pm)
-    _require_plan(pm, "loading")
+    view = _view(pm)
+    view.require_plan("loading")
     rank, world = dist.get_rank(), dist.get_world_size()
     manifest, problem, reader, targets = None, None, None, None
     try:
-        manifest = _checked_manifest(pm, optimizer, path, world)
+        manifest = _checked_manifest(view, optimizer, path, world)
         problem = verify_files(path, manifest.files[rank::world])
         if problem is None:
             reader = dcp.FileSystemReader(path)
             metadata = reader.read_metadata()
-            targets = (pm.targets(optimizer, metadata, rank, path) if _piped(pm)
-                       else load_targets(pm, optimizer, metadata, rank, path))
+            targets = view.targets(optimizer, metadata, rank, path)
     except CheckpointError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable .metadata on one rank must reach every rank
@@ -239,16 +232,12 @@ def load_training_checkpoint(pm: ShardedModel, optimizer: Any, path: "str | os.P
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException), named
         raise CheckpointError(f"reading checkpoint {path} failed ({_reason(e)}); it is damaged or was "
                               "not written by save_training_checkpoint: resume from an earlier one", path) from e
-    if _piped(pm):
-        pm.restore(optimizer, targets, rank, path)
-    else:
-        restore(pm, optimizer, targets, rank, path)
-    pm.loaded = True
-    _warn_if_replanned(pm, manifest, path)
+    view.restore(optimizer, targets, rank, path)
+    _warn_if_replanned(view, manifest, path)
     return manifest
 
 
-def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike", *,
+def resume(pm: Any, optimizer: Any, root: "str | os.PathLike", *,
            fallback: bool = False) -> Optional[CheckpointManifest]:
     """Load the newest complete checkpoint under root on every rank (rank 0 chooses,
     all follow); None when there is none yet (start from step 0). fallback=True: when a
@@ -274,9 +263,8 @@ def resume(pm: ShardedModel, optimizer: Any, root: "str | os.PathLike", *,
     return None
 
 
-def _warn_if_replanned(pm: ShardedModel, manifest: CheckpointManifest, path: str) -> None:
-    current = getattr(pm, "current", None)
-    now = current.plan.digest() if current is not None else ""
+def _warn_if_replanned(view: CheckpointView, manifest: CheckpointManifest, path: str) -> None:
+    now = view.digests()[2]
     if manifest.plan_digest and now and now != manifest.plan_digest:
         warnings.warn(PlanChangedWarning(
             f"checkpoint {path} was saved under plan {manifest.plan_digest}, this run uses {now} (other options or "
@@ -284,12 +272,7 @@ def _warn_if_replanned(pm: ShardedModel, manifest: CheckpointManifest, path: str
             "per-rank programs and will not be bit-identical to the run that saved it"), stacklevel=3)
 
 
-def model_digest(pm: ShardedModel) -> str:
-    """What must match for a checkpoint to fit: names, global shapes and dtypes."""
-    return digest((n, tuple(s.meta.shape), str(s.meta.dtype)) for n, s in sorted(pm.state_specs.items()))
-
-
-def _checked_manifest(pm: ShardedModel, optimizer: Any, path: str, world: int) -> CheckpointManifest:
+def _checked_manifest(view: CheckpointView, optimizer: Any, path: str, world: int) -> CheckpointManifest:
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory {path}; latest_checkpoint(root) names the newest "
                               "complete one", path)
@@ -304,31 +287,25 @@ def _checked_manifest(pm: ShardedModel, optimizer: Any, path: str, world: int) -
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint manifest {marker} is unreadable ({e}); resume from another "
                               "checkpoint", path) from None
-    if (manifest.world_size, tuple(manifest.mesh)) != (world, tuple(pm.mesh.shape)):
+    if (manifest.world_size, tuple(manifest.mesh)) != (world, tuple(view.mesh.shape)):
         raise CheckpointError(f"checkpoint {path} was saved by {manifest.world_size} ranks on mesh "
-                              f"{tuple(manifest.mesh)}; this run has {world} ranks on mesh {tuple(pm.mesh.shape)}. "
+                              f"{tuple(manifest.mesh)}; this run has {world} ranks on mesh {tuple(view.mesh.shape)}. "
                               "Resume with the same world size and mesh (each rank restores its own RNG "
                               "states)", path)
-    if _piped(pm):  # the keys are per stage: another split cannot be read
-        pm.check_layout(manifest.pipeline, path)
-    elif manifest.pipeline is not None:
-        raise CheckpointError(f"checkpoint {path} was saved by a pipelined model (stages {manifest.pipeline}); "
-                              "resume it with the same pipeline_axis, pipeline_schedule and plan", path)
-    if manifest.model_digest != _model_digest(pm):
+    view.check_layout(manifest.pipeline, path)
+    if manifest.model_digest != view.digests()[0]:
         raise CheckpointError(f"checkpoint {path} was saved from another model (state names, shapes or dtypes "
                               "differ); resume the model it was saved from", path)
     if optimizer is not None:
-        current = pm.group_names(optimizer) if _piped(pm) else param_group_names(pm, optimizer)
-        _check_param_groups(manifest, current, path, dist.get_rank() if _piped(pm) else None)
+        _check_param_groups(manifest, view, view.group_names(optimizer), path)
     return manifest
 
 
-def _check_param_groups(manifest: CheckpointManifest, current: list, path: str, rank: Optional[int] = None) -> None:
-    """rank: a pipelined checkpoint records each rank's groups (its own stages' parameters)."""
+def _check_param_groups(manifest: CheckpointManifest, view: CheckpointView, current: list, path: str) -> None:
     if manifest.param_groups is None:
         raise CheckpointError(f"checkpoint {path} holds no optimiser state; resume with optimizer=None to load the "
                               "model alone, or resume from a checkpoint saved with the optimiser", path)
-    saved = [list(g) for g in (manifest.param_groups if rank is None else manifest.param_groups[rank])]
+    saved = [list(g) for g in view.own_groups(list(manifest.param_groups))]
     if saved != current:
         raise CheckpointError(f"checkpoint {path} was saved by an optimiser over other parameter groups "
                               f"({[len(g) for g in saved]} parameters per group; this one has "
@@ -337,33 +314,9 @@ def _check_param_groups(manifest: CheckpointManifest, current: list, path: str, 
 
 
 # ---- small parts --------------------------------------------------------------------------
-def _view(pm: Any) -> Any:
-    """What a model checkpoints through: a PipelinedModule's checkpoint_view (its stages on
-    this rank, autopar/runtime/pipeline_state.py, or its plain module), else the module."""
-    return pm.checkpoint_view() if hasattr(pm, "checkpoint_view") else pm
-
-
-def _piped(pm: Any) -> bool:
-    return isinstance(pm, PipelineCheckpoint)
-
-
-def _group_names(pm: Any, optimizer: Any) -> list:
-    """The optimiser's parameter names per group; every rank's when pipelined (each holds
-    other stages' parameters)."""
-    return _gather(pm.group_names(optimizer)) if _piped(pm) else param_group_names(pm, optimizer)
-
-
-def _model_digest(pm: Any) -> str:
-    return pm.model_digest if _piped(pm) else model_digest(pm)
-
-
-def _require_plan(pm: ShardedModel, doing: str) -> None:
-    if _piped(pm):
-        return  # a pipelined model's stages are planned when it is built
-    if not pm.state_specs:
-        raise CheckpointError(f"{doing} a training checkpoint needs the model's shard layouts, which the first "
-                              "plan fixes: compile with example inputs (autopar.compile(model, args, kwargs, "
-                              "mesh=...)) or call pm.prepare(args, kwargs) first")
+def _view(pm: Any) -> CheckpointView:
+    """What a model checkpoints through (autopar/runtime/checkpoint_view.py)."""
+    return pm.checkpoint_view()
 
 
 def _reason(e: BaseException) -> str:

@@ -1,4 +1,5 @@
-"""Pipelined execution on torch.distributed.pipelining, each stage an autopar program.
+"""A pipelined plan's stages on torch.distributed.pipelining, each stage an autopar program
+(a ParallelModule with a pipelined plan runs them: autopar/runtime/module.py).
 
     model --pipeline(split at plan.pipeline.split_points)--> stage modules 0..S-1
     rank r (pipeline coordinate k) -> stage k's module, planned and run by autopar on the
@@ -7,8 +8,8 @@
 
 1. The first rank plans (passes/pipeline.py: stages chosen by the DP, then every stage's
    own plan, passes/pipeline_stages.py) and sends the plan to every rank; a given Plan
-   skips it. A plan without a pipeline (pipeline_axis="auto" found that pipelining does
-   not pay) runs as one ParallelModule over the whole mesh.
+   skips it (pipelined_plan). A plan without a pipeline (pipeline_axis="auto" found that
+   pipelining does not pay) runs as one program, with no stages.
 2. Every rank makes the groups of every stage's sub-mesh and of the pipeline axis
    (groups.stage_groups), and splits the model as the planner did
    (pipeline_stages.split_stages: torch's pipeline() at the plan's block boundaries, one
@@ -37,7 +38,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from math import prod
 from typing import Any, Callable, Optional
 
@@ -46,7 +46,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining as pp
 
-from autopar import _compat
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
@@ -140,31 +139,36 @@ class StageModule(nn.Module):
                      for o, keep in zip(out, self.differentiable + (True,) * len(out)))
 
 
-class PipelinedModule:
-    """This rank's stages of a pipelined model and the torch schedule that drives them.
+def pipelined_plan(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
+                   given: Optional[Plan]) -> Plan:
+    """Step 1: the plan every rank runs, rank 0's (passes/pipeline.py) or the given one,
+    checked against this model and these inputs (a plan without a pipeline, where
+    pipeline_axis="auto" found that pipelining does not pay, runs as one program)."""
+    check_world(mesh)
+    if given is not None and given.mesh != mesh:
+        raise MeshError(f"the given plan is for mesh {given.mesh.shape}, not {mesh.shape}; plan again for this "
+                        "mesh or pass the mesh it was made for")
+    return agreed(lambda: plan_model(model, args, kwargs, mesh, options) if given is None
+                  else _checked(given, model, args, kwargs, options))
 
-    pipe.step(*args, target=labels, **kwargs) runs one training step over all
-    microbatches (forward, loss_fn, backward) and returns the mean loss on the ranks of
-    the last stage (None elsewhere); gradients are left in pipe.parameters()."""
+
+class PipelineStages:
+    """This rank's stages of a pipelined plan and the torch schedule that drives them;
+    what a ParallelModule runs when its plan has a pipeline (autopar/runtime/module.py).
+
+    step(*args, target=labels, **kwargs) runs one training step over all microbatches
+    (forward, loss_fn, backward) and returns the mean loss on the ranks of the last stage
+    (None elsewhere); gradients are left in the stages' parameters."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
-                 loss_fn: Callable[..., torch.Tensor], plan: Optional[Plan] = None) -> None:
-        check_world(mesh)
-        if plan is not None and plan.mesh != mesh:
-            raise MeshError(f"the given plan is for mesh {plan.mesh.shape}, not {mesh.shape}; plan again for this "
-                            "mesh or pass the mesh it was made for")
-        self.mesh, self.options, self.loss_fn = mesh, options, loss_fn
-        self.plan = agreed(lambda: plan_model(model, args, kwargs, mesh, options) if plan is None
-                           else _checked(plan, model, args, kwargs, options))
+                 loss_fn: Callable[..., torch.Tensor], plan: Plan, planned_here: bool) -> None:
+        assert plan.pipeline is not None
+        self.mesh, self.options, self.loss_fn, self.plan = mesh, options, loss_fn, plan
+        self.planned_here = planned_here  # this rank solved the plan (rank 0, without a given plan)
         self.stages: list[StageModule] = []
-        self.plain: Optional[ParallelModule] = None
         self.tied: tuple = ()  # tied parameters whose copies in several stages get one gradient
         self.pipe_group: Any = None
         self.stage_indices: list[int] = []  # the stage number of each of self.stages
-        if self.plan.pipeline is None:
-            self.plain = ParallelModule(model, mesh, replace(options, pipeline_axis=None), self.plan)
-            self.plain.prepare(args, kwargs)
-            return
         self.schedule = self._build(model, args, kwargs)
 
     def _build(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -212,8 +216,9 @@ class PipelinedModule:
 
     @property
     def solve_count(self) -> int:
-        """ILP solves this rank's modules ran (0 when every stage was given its plan)."""
-        return sum(pm.solve_count for pm in ([self.plain] if self.plain is not None else [s.pm for s in self.stages]))
+        """ILP solves this rank ran: the pipelined plan's, and each stage's without a stage
+        plan (0 when the plan was given)."""
+        return int(self.planned_here) + sum(s.pm.solve_count for s in self.stages)
 
     def _own_stages(self) -> list[tuple[int, ParallelModule]]:
         return [(k, s.pm) for k, s in zip(self.stage_indices, self.stages)]
@@ -222,42 +227,31 @@ class PipelinedModule:
         """The whole model's parameters and buffers on every rank, under the original
         model's state-dict names (a tied parameter under each of its names, one value):
         loadable with model.load_state_dict. Every rank calls it."""
-        if self.plain is not None:
-            return self.plain.full_state_dict()
         return gather_pipeline_state(self._own_stages(), self.state_order, self.originals, self.unread,
                                      self.pipe_group, self.read)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Each of this rank's stages takes its block of each full tensor (keys: the original
         model's state-dict names)."""
-        if self.plain is not None:
-            return self.plain.load_full_state_dict(state_dict)
         load_pipeline_state(self._own_stages(), state_dict, self.originals, self.unread, self.transient)
 
-    def checkpoint_view(self) -> "PipelineCheckpoint | ParallelModule":
+    def checkpoint_view(self) -> PipelineCheckpoint:
         """What save_training_checkpoint / load_training_checkpoint read and write on this
-        rank: its stages (PipelineCheckpoint), or the plain module when nothing pipelines."""
-        if self.plain is not None:
-            return self.plain
+        rank: its stages."""
         p = self.plan.pipeline
         return PipelineCheckpoint(self._own_stages(), self.mesh, self.mesh.coords(dist.get_rank())[p.axis], p,
-                                  self.state_meta)
+                                  self.state_meta, self.plan.digest())
 
     def _holds_last(self) -> bool:
         """Whether this rank runs the last stage (where step returns the loss)."""
         p = self.plan.pipeline
         return p.stages[-1].rank == self.mesh.coords(dist.get_rank())[p.axis]
 
-    def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameter shards (an optimiser steps these)."""
-        mods = [self.plain] if self.plain is not None else [s.pm for s in self.stages]
-        return [q for m in mods for q in m.parameters()]
+    def modules(self) -> list[ParallelModule]:
+        """This rank's stages' programs, in stage order (their shards are its parameters)."""
+        return [s.pm for s in self.stages]
 
     def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> Optional[torch.Tensor]:
-        if self.plain is not None:
-            loss = self.loss_fn(_as_pipeline_output(self.plain(*args, **kwargs)), target)
-            loss.backward()
-            return loss.detach()
         if args or kwargs:  # a clear PipelineError where torch would fail to chunk them
             microbatch_inputs(args, kwargs, self.plan.pipeline.microbatches)
         losses: list = []
@@ -311,10 +305,3 @@ def sync_tied_grads(tied: tuple, stages: list[ParallelModule], pipe_group: Any) 
         dist.all_reduce(full, group=pipe_group)
         for pm, name, param in held:
             param.grad.copy_(local_chunk(full, pm.state_specs[name], pm.mesh.shape, pm.coords))
-
-
-def _as_pipeline_output(out: Any) -> Any:
-    """The model's output as pipeline()'s last stage gives it to loss_fn: its tensor leaves
-    (a ModelOutput's logits alone when it has only those)."""
-    leaves = [x for x in _compat.tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-    return leaves[0] if len(leaves) == 1 else tuple(leaves)
