@@ -19,6 +19,8 @@ from autopar._version import __version__
 # public name -> the module that defines it (layers: core -> cost_models -> passes -> runtime -> tools/api)
 _EXPORTS = {
     "Mesh": "autopar.core.mesh", "Options": "autopar.core.options",
+    "CostSource": "autopar.core.options", "Clustering": "autopar.core.options", "SolverChoice": "autopar.core.options",
+    "PipelineAxis": "autopar.core.pipeline",
     "Dynamic": "autopar.core.dynamic", "OutOfRange": "autopar.core.dynamic",
     "Link": "autopar.core.links", "LinkKind": "autopar.core.links",
     "Spec": "autopar.core.placement", "TensorMeta": "autopar.core.placement", "Shard": "autopar.core.placement",

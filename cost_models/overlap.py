@@ -54,11 +54,12 @@ from math import prod
 from typing import Hashable, Mapping, Sequence
 
 from autopar.core.kinds import NodeKind, StepKind
+from autopar.core.options import GRADIENT_BUCKET_BYTES
 from autopar.core.placement import TensorMeta
 from autopar.core.resharding import Step
 from autopar.cost_models.model import CostModel
 
-BUCKET_BYTES = 25 * 2**20  # autopar/runtime/buckets.py's bucket size (tests/test_overlap_cost.py checks they agree)
+BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the runtime's bucket size (autopar/runtime/buckets.py)
 
 
 @dataclass(frozen=True)

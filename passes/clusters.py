@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from autopar.core.options import Clustering
 from autopar.passes.strategies import AnnotatedGraph
 
 BLOCK_PATH = re.compile(r"^(.*?)\.?(\d+)(?:\.|$)")
@@ -61,13 +62,10 @@ def find_blocks(graph: AnnotatedGraph) -> dict[str, tuple[str, int]]:
     return block_of
 
 
-MODES = ("inner", "all")
-
-
 def cluster(graph: AnnotatedGraph, block_of: dict[str, tuple[str, int]], members: dict,
-            mode: str = "inner") -> Blocks:
+            mode: Clustering = Clustering.INNER) -> Blocks:
     """`members`: node -> ilp.Member built with follower groups kept inside blocks;
-    `mode`: "inner" or "all" (module docstring)."""
+    `mode`: Clustering.INNER or ALL (module docstring; OFF finds no blocks to share)."""
     blocks: dict[tuple[str, int], list[str]] = {}
     for n in graph.nodes:
         if n.name in block_of:
@@ -81,7 +79,7 @@ def cluster(graph: AnnotatedGraph, block_of: dict[str, tuple[str, int]], members
     rep = {n.name: n.name for n in graph.nodes}
     shared = 0
     for key, names in sorted(blocks.items()):
-        sig = (key[0], _signature(graph, key, names, block_of, position, members, consumers, mode == "inner"))
+        sig = (key[0], _signature(graph, key, names, block_of, position, members, consumers, mode is not Clustering.ALL))
         first = firsts.setdefault(sig, names)
         if first is names:
             continue

@@ -23,11 +23,12 @@ from torch import fx
 
 from autopar.core.errors import FingerprintMismatchError, PlanFileError
 from autopar.core.kinds import NodeKind
+from autopar.core.options import INFLIGHT_CAP_BYTES
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.recompute import bodies, checkpoint_blocks
 from autopar.passes.rewrite import rewrite
-from autopar.passes.schedule import DEFAULT_CAP_BYTES, schedule
+from autopar.passes.schedule import schedule
 from autopar.passes.strategies import OUTPUT
 from autopar.passes.trace import GraphInput, TracedGraph
 
@@ -45,7 +46,7 @@ class RankProgram:
 
 
 def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optional[torch.device] = None,
-         defer_grad_sync: bool = False, inflight_cap_bytes: Optional[int] = DEFAULT_CAP_BYTES) -> RankProgram:
+         defer_grad_sync: bool = False, inflight_cap_bytes: Optional[int] = INFLIGHT_CAP_BYTES) -> RankProgram:
     """The program of the rank at `coords`; its reshard steps are unbound (passes/program.py).
     With `inflight_cap_bytes` its collectives are scheduled to overlap compute
     (passes/schedule.py); None keeps each step where the rewrite put it."""

@@ -41,9 +41,9 @@ from autopar import _compat
 from autopar.core.kinds import NodeKind
 from autopar.core.links import link_overrides
 from autopar.core.mesh import Mesh
-from autopar.core.options import Options
+from autopar.core.options import CostSource, Options
 from autopar.core.errors import MemoryBudgetError
-from autopar.core.pipeline import (PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
+from autopar.core.pipeline import (PipelineAxis, PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
                                    check_microbatches, check_request, stage_mesh)
 from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
@@ -55,7 +55,6 @@ from autopar.passes.planning import plan_annotated, plan_traced, trace_for_plann
 from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph
 
-AUTO = "auto"
 
 
 # ---- 0. inputs and meshes ----------------------------------------------------------
@@ -284,7 +283,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
     full = trace_for_planning(model, args, kwargs, options.param_dtype)
     micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)
     plan = choose_plan(full, micro, mesh, options, lambda: plan_traced(full, mesh, options)[1])
-    if plan.pipeline is None or options.cost_model == "profile":  # a profile times each stage where it runs
+    if plan.pipeline is None or options.cost_model is CostSource.PROFILE:  # a profile times each stage where it runs
         return plan
     return replace(plan, stage_plans=stage_plans(model, micro_args, micro_kwargs, plan, options))
 
@@ -294,7 +293,7 @@ def choose_plan(full: TracedGraph, micro: TracedGraph, mesh: Mesh, options: Opti
     a function of no arguments returning the unpipelined plan (solved only for "auto")."""
     axis = options.pipeline_axis
     solves = SubMeshSolves(micro, options)
-    if axis != AUTO:
+    if axis is not PipelineAxis.AUTO:
         return pipelined_plan(full, solves, mesh, axis, options)
     best, refused = None, []  # under a budget, a pipeline that fits beats a plain plan that does not
     try:

@@ -12,7 +12,7 @@ from autopar import _compat
 from autopar.core.kinds import StepKind
 from autopar.core.links import AxisLink, LinkKind, link_overrides
 from autopar.core.mesh import Mesh
-from autopar.core.options import Options
+from autopar.core.options import CostSource, Options
 from autopar.core.placement import Placement
 from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
@@ -39,8 +39,8 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     traced, mesh = graph.traced, graph.mesh
     training = traced.training if options.training is None else options.training
     costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
-    if profile is None and options.cost_model not in ("analytic", "profile"):
-        profile = load_profile(options.cost_model)
+    if profile is None and options.cost_model is CostSource.SAVED:
+        profile = load_profile(options.profile_path)
     note = f"analytic preset {costs.device.name}"
     if profile is not None:
         profile.misses.clear()
@@ -108,5 +108,5 @@ def options_with(options: Optional[Options], overrides: dict) -> Options:
 
 
 def load_profile(path: str) -> Profile:
-    """A saved cost profile (Options.cost_model = its path)."""
+    """A saved cost profile (Options.cost_model "saved", its file Options.profile_path)."""
     return Profile.from_dict(read_json(path, "profile", "delete it to measure again"), f"profile {path}")

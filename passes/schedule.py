@@ -24,10 +24,10 @@ from collections import OrderedDict
 from torch import fx
 
 from autopar.core.kinds import StepKind
+from autopar.core.options import INFLIGHT_CAP_BYTES
 from autopar.core.resharding import Step
 from autopar.passes.program import StepModule, WaitModule
 
-DEFAULT_CAP_BYTES = 256 * 2**20  # what may be in flight at once; the gathered parameters of a few layers
 
 
 def inflight_bytes(step: Step, mesh_shape: tuple[int, ...]) -> int:
@@ -38,7 +38,7 @@ def inflight_bytes(step: Step, mesh_shape: tuple[int, ...]) -> int:
     return local * mesh_shape[step.axis] if step.kind is StepKind.ALL_GATHER else local
 
 
-def schedule(gm: fx.GraphModule, mesh_shape: tuple[int, ...], cap_bytes: int = DEFAULT_CAP_BYTES) -> fx.GraphModule:
+def schedule(gm: fx.GraphModule, mesh_shape: tuple[int, ...], cap_bytes: int = INFLIGHT_CAP_BYTES) -> fx.GraphModule:
     """Reorder `gm`'s nodes in place (see the module docstring); returns gm."""
     order = _Order(gm, mesh_shape, cap_bytes)
     for node in order.body:

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 from autopar.core.errors import MemoryBudgetError, SolverError
 from autopar.core.kinds import NodeKind
-from autopar.core.options import Options
+from autopar.core.options import Clustering, Options
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.placement import Spec
@@ -43,7 +43,7 @@ from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
 from autopar.cost_models.overlap import plan_hidden_s
-from autopar.passes.clusters import MODES, Blocks, cluster, find_blocks
+from autopar.passes.clusters import Blocks, cluster, find_blocks
 from autopar.passes.dominance import prefer_smaller, prune_dominated
 from autopar.passes.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
@@ -232,23 +232,13 @@ def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Optio
     # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
     # does not simply take the layout its consumer reads
     store_as_read = options.memory_budget_bytes is None
-    mode = cluster_mode(options.cluster_layers)
-    block_of = find_blocks(graph) if mode else {}
+    mode = options.cluster_layers
+    block_of = find_blocks(graph) if mode is not Clustering.OFF else {}
     groups = build_groups(graph, pricer, options.follow, store_as_read, block_of)
-    blocks = cluster(graph, block_of, groups, mode or "inner")
+    blocks = cluster(graph, block_of, groups, mode)
     if block_of and not blocks.shared_blocks:  # nothing to share: keep followers free to cross blocks
         groups = build_groups(graph, pricer, options.follow, store_as_read)
     return groups, blocks
-
-
-def cluster_mode(value) -> Optional[str]:
-    if value is True:
-        return "inner"
-    if value in (False, None, "off"):
-        return None
-    if value in MODES:
-        return value
-    raise ValueError(f"Options.cluster_layers={value!r}: use 'inner' (default), 'all', or 'off'/False")
 
 
 def _smallest_footprint(model: IlpModel, pricer: EdgePricer, memory: dict[str, list[int]],

@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from autopar.core.errors import SolverError
-from autopar.core.options import Options
+from autopar.core.options import Options, SolverChoice
 
 try:
     import highspy
@@ -98,9 +98,9 @@ class Solution:
 
 def solver_name(options: Options) -> str:
     """"highs" or "cbc" for Options.solver ("auto": HiGHS when highspy is installed)."""
-    if options.solver in ("auto", "highs") and highspy is not None:
+    if options.solver in (SolverChoice.AUTO, SolverChoice.HIGHS) and highspy is not None:
         return "highs"
-    if options.solver == "highs":
+    if options.solver is SolverChoice.HIGHS:
         raise SolverError("Options(solver='highs') but highspy is not installed; pip install highspy "
                           "or use solver='cbc'")
     return "cbc"

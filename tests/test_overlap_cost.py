@@ -52,11 +52,6 @@ def test_buckets_fill_in_backward_order_and_launch_at_their_earliest_use():
     assert grad_buckets(params, use, bucket_bytes=BUCKET_BYTES * 4) == (Bucket(("w2", "w1", "b0", "w0"), 1),)
 
 
-def test_the_bucket_size_is_the_runtimes():
-    from autopar.runtime.buckets import BUCKET_BYTES as RUNTIME
-    assert BUCKET_BYTES == RUNTIME
-
-
 # ---- plans --------------------------------------------------------------------------
 
 # a 16 MiB all-reduce (6.3 ms) outlasts a layer's backward at 16384 rows (2.7 ms), yet

@@ -126,7 +126,7 @@ def test_the_profile_drives_the_plan(tmp_path):
         save_profile(p, path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plans[name] = autopar.plan(model, (x,), mesh=(1, 4), cost_model=path)
+            plans[name] = autopar.plan(model, (x,), mesh=(1, 4), cost_model="saved", profile_path=path)
     dear, cheap = plans["dear"], plans["cheap"]
     assert dear.collectives() == () and dear.comm_s == 0  # replicated: no communication at all
     assert len(cheap.collectives()) > 0
@@ -169,7 +169,7 @@ def test_the_profile_keeps_its_sync_figure_and_a_dear_one_steers_the_plan(tmp_pa
         assert load_profile(path).collective_sync_s == sync_s
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plans[name] = autopar.plan(model, (x,), mesh=(1, 4), cost_model=path)
+            plans[name] = autopar.plan(model, (x,), mesh=(1, 4), cost_model="saved", profile_path=path)
     assert len(plans["free"].collectives()) > 0
     assert plans["dear"].collectives() == ()  # every collective would wait a second
     assert "per collective" in plans["dear"].cost_note
@@ -197,7 +197,7 @@ def test_ops_inside_a_program_are_priced_with_its_measured_factor(tmp_path):
         assert load_profile(path).program_factor == p.program_factor
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plans[factor] = autopar.plan(model, (x,), mesh=(1, 4), cost_model=path, training=True)
+            plans[factor] = autopar.plan(model, (x,), mesh=(1, 4), cost_model="saved", profile_path=path, training=True)
     assert plans[2.0].compute_s == pytest.approx(2 * plans[1.0].compute_s)
     assert "inside the rank program" in plans[2.0].cost_note and "inside" not in plans[1.0].cost_note
     older = Profile("cpu").to_dict()

@@ -1,16 +1,73 @@
-"""Planning options: one frozen dataclass, a comment per field."""
+"""Options: one frozen record of keyword options, validated and normalised when made.
+
+Modes are enums (a string naming one is accepted and turned into it); each field holds
+one fact (a profile's file is `profile_path`, not a cost-model mode). `options.planning`
+and `options.running` are the two groups the stages read: what shapes the plan (its
+search space, prices and solve), and how the ranks run it. Anything else is an
+OptionsError naming the field and what to pass.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import warnings
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, Optional
 
 import torch
 
 from autopar.core.dynamic import Dynamic
 from autopar.core.errors import OptionsError
-from autopar.core.pipeline import PipelineError, Schedule
+from autopar.core.pipeline import PipelineAxis, PipelineError, Schedule
 from autopar.core.links import link_overrides
+
+# bytes of data-parallel gradients all-reduced together (the runtime's buckets, and the
+# cost model's overlap credit for them)
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+# bytes of collectives in flight at once on a rank, by default: the gathered parameters of a few layers
+INFLIGHT_CAP_BYTES = 256 * 2**20
+
+
+class _Mode(str, Enum):
+    """A mode named by its value (as autopar.Schedule is)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # str's hash differs between runs; the value's tuple does not
+        return hash((type(self).__name__, self.value))
+
+
+class CostSource(_Mode):
+    """Where prices come from."""
+
+    ANALYTIC = "analytic"  # roofline compute and alpha-beta links of the device preset
+    PROFILE = "profile"  # measured on this machine at compile, cached in profile_path
+    SAVED = "saved"  # a profile read from profile_path, nothing measured (plan for hardware you do not have)
+
+
+class Clustering(_Mode):
+    """Which identical repeated blocks share one set of ILP variables (passes/clusters.py)."""
+
+    INNER = "inner"  # all but the first and last layer of a stack
+    ALL = "all"
+    OFF = "off"
+
+
+class SolverChoice(_Mode):
+    AUTO = "auto"  # HiGHS when highspy is installed, else CBC
+    HIGHS = "highs"
+    CBC = "cbc"
+
+
+def _enum(cls: type, name: str, value: Any, extra: str = "") -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        raise OptionsError(f"Options.{name}={value!r} is not one of {[m.value for m in cls]}{extra}; pass one of "
+                           f"those (or autopar.{cls.__name__}.<NAME>)") from None
 
 
 @dataclass(frozen=True)
@@ -24,11 +81,10 @@ class Options:
     # links to price with instead of the preset's, per kind, e.g.
     # {LinkKind.INTER: Link(alpha_s=20e-6, beta_s_per_byte=1 / 25e9, name="ib-200g")}; None: the preset's
     links: Optional[dict] = None
-    # where costs come from: "analytic" (roofline + alpha-beta presets), "profile"
-    # (measure on this machine at compile, cached in profile_path), or the path of a saved
-    # profile (plan offline for hardware you do not have)
-    cost_model: str = "analytic"
-    # the profile file "profile" reads and extends; None:
+    # where costs come from (CostSource): "analytic", "profile" (measured here, cached in
+    # profile_path) or "saved" (read from profile_path, nothing measured)
+    cost_model: CostSource = CostSource.ANALYTIC
+    # the profile file "profile" reads and extends and "saved" reads; None (for "profile"):
     # ~/.cache/autopar/profile-<device name>-torch<version>.json
     profile_path: Optional[str] = None
     # seconds the compute profiler may spend per plan before leaving the rest analytic
@@ -40,14 +96,15 @@ class Options:
     # consumer, instead of getting free ILP variables (much smaller ILP, near-equal plans)
     follow: bool = True
     # identical repeated blocks (transformer layers) share one set of ILP variables, the
-    # boundaries between blocks still priced edge by edge (passes/clusters.py): "inner"
-    # (the first and last layer of a stack keep their own), "all", or "off" / False
-    cluster_layers: "str | bool" = "inner"
+    # boundaries between blocks still priced edge by edge (passes/clusters.py): Clustering
+    # "inner" (the first and last layer of a stack keep their own), "all" or "off"
+    # (True and False are taken as "inner" and "off")
+    cluster_layers: Clustering = Clustering.INNER
     # ops without a hand-written rule get rules verified by experiment on random data
     # (passes/discovery.py); False: such ops run replicated
     discover_rules: bool = True
-    # "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc"
-    solver: str = "auto"
+    # SolverChoice: "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc"
+    solver: SolverChoice = SolverChoice.AUTO
     # wall-clock limit for the ILP solve; the best plan found so far is used after it
     time_limit_s: float = 120.0
     # seconds before a collective that does not complete raises instead of hanging
@@ -64,7 +121,7 @@ class Options:
     overlap: bool = True
     # bytes of collectives in flight at once on a rank (a start waits for older ones
     # beyond it); bounds the memory that prefetched gathers hold
-    max_inflight_bytes: int = 256 * 2**20
+    max_inflight_bytes: int = INFLIGHT_CAP_BYTES
     # run each rank's program through torch.compile (Inductor), collectives inside the
     # compiled graph; falls back to eager with one warning where Inductor cannot run
     compile: bool = False
@@ -79,23 +136,24 @@ class Options:
     reduce_dtype: Optional[torch.dtype] = None
     # symbolic batch and sequence sizes (autopar/core/dynamic.py): one trace and one plan
     # serve every size in a range. True: wide default ranges, priced at the sizes of the
-    # call that plans; Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s)): explicit
-    dynamic: "bool | Dynamic" = False
+    # call that plans; Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s)): explicit.
+    # Held as a Dynamic, or None for static shapes
+    dynamic: Optional[Dynamic] = None
     # pipeline parallelism (autopar/core/pipeline.py, passes/pipeline.py): the mesh axis whose
-    # coordinate is the stage, "auto" (the planner decides whether and on which axis
-    # pipelining pays), or None (no pipeline)
-    pipeline_axis: "int | str | None" = None
+    # coordinate is the stage, PipelineAxis.AUTO ("auto": the planner decides whether and
+    # on which axis pipelining pays), or None (no pipeline)
+    pipeline_axis: "int | PipelineAxis | None" = None
     # microbatches per step when pipelining; they split dim 0 of every tensor input
     microbatches: int = 1
-    # pipeline schedule: "gpipe", "1f1b" or "interleaved_1f1b" (autopar.Schedule)
-    pipeline_schedule: "Schedule | str" = "1f1b"
+    # pipeline schedule (autopar.Schedule): "gpipe", "1f1b" or "interleaved_1f1b"
+    pipeline_schedule: Schedule = Schedule.ONE_F_ONE_B
 
     def __post_init__(self) -> None:
-        Dynamic.of(self.dynamic)  # a clear OptionsError for anything else
-        Schedule.of(self.pipeline_schedule)
-        if self.pipeline_axis is not None and self.dynamic:
+        if self.pipeline_axis is not None and self.dynamic:  # as the caller spelled them
             raise PipelineError(f"pipeline_axis={self.pipeline_axis!r} with dynamic={self.dynamic!r}: pipelined "
                                 "plans are made for one batch and sequence size; drop one of the two")
+        self._normalise()
+        self._check_numbers()
         link_overrides(self.links)  # likewise
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
             raise OptionsError(f"Options.nodes={self.nodes!r} is not a positive int; pass the number of machines "
@@ -105,3 +163,97 @@ class Options:
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise OptionsError(f"Options.{field_name}={dtype!r} is not a floating-point torch dtype; use "
                                    "torch.bfloat16, torch.float16 or torch.float32 (or None)")
+
+    def _normalise(self) -> None:
+        """Strings naming a mode become its enum (the keyword shortcuts stay as they were)."""
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+        cost = self.cost_model
+        if not isinstance(cost, CostSource) and isinstance(cost, str) and cost not in [m.value for m in CostSource]:
+            # a path: the older spelling
+            if self.profile_path is not None:
+                raise OptionsError(f"Options.cost_model={cost!r} is neither a cost source nor usable as a profile "
+                                   f"path beside profile_path={self.profile_path!r}; pass cost_model='saved', "
+                                   "profile_path=<file>")
+            warnings.warn(f"Options(cost_model={cost!r}): a profile's file goes in profile_path; read as "
+                          "cost_model='saved', profile_path=that file", DeprecationWarning, stacklevel=4)
+            put("profile_path", cost)
+            cost = CostSource.SAVED
+        put("cost_model", _enum(CostSource, "cost_model", cost))
+        if self.cost_model is CostSource.SAVED and self.profile_path is None:
+            raise OptionsError("Options.cost_model='saved' reads a saved profile: give its file as profile_path=")
+        clustering = {True: "inner", False: "off", None: "off"}.get(self.cluster_layers, self.cluster_layers) \
+            if isinstance(self.cluster_layers, (bool, type(None))) else self.cluster_layers
+        put("cluster_layers", _enum(Clustering, "cluster_layers", clustering, " (or True / False)"))
+        put("solver", _enum(SolverChoice, "solver", self.solver))
+        put("dynamic", Dynamic.of(self.dynamic))  # a clear OptionsError for anything else
+        put("pipeline_schedule", Schedule.of(self.pipeline_schedule))
+        if isinstance(self.pipeline_axis, str):
+            put("pipeline_axis", _enum(PipelineAxis, "pipeline_axis", self.pipeline_axis, " or a mesh axis number"))
+        elif self.pipeline_axis is not None and not _is_int(self.pipeline_axis, 0):
+            raise PipelineError(f"pipeline_axis={self.pipeline_axis!r} is not a mesh axis number; give an axis "
+                                "number, 'auto' (the planner decides) or None")
+
+    def _check_numbers(self) -> None:
+        for name, low in (("optimizer_state_bytes", 0), ("max_inflight_bytes", 1)):
+            if not _is_int(getattr(self, name), low):
+                raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not an int >= {low}")
+        if self.memory_budget_bytes is not None and not _is_int(self.memory_budget_bytes, 1):
+            raise OptionsError(f"Options.memory_budget_bytes={self.memory_budget_bytes!r} is not a positive int "
+                               "(bytes per rank), or None for no bound")
+        for name in ("profile_budget_s", "time_limit_s", "collective_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise OptionsError(f"Options.{name}={value!r} is not a positive number of seconds")
+        for name in ("follow", "discover_rules", "overlap", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not a bool (True or False)")
+        if self.training is not None and not isinstance(self.training, bool):
+            raise OptionsError(f"Options.training={self.training!r} is not True, False or None (the model's mode)")
+
+    @property
+    def planning(self) -> "PlanningOptions":
+        """What shapes the plan: its search space, prices and solve."""
+        return PlanningOptions(**{f.name: getattr(self, f.name) for f in fields(PlanningOptions)})
+
+    @property
+    def running(self) -> "RunningOptions":
+        """How the ranks run a plan."""
+        return RunningOptions(**{f.name: getattr(self, f.name) for f in fields(RunningOptions)})
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+@dataclass(frozen=True)
+class PlanningOptions:
+    device: str
+    nodes: int
+    links: Optional[dict]
+    cost_model: CostSource
+    profile_path: Optional[str]
+    profile_budget_s: float
+    training: Optional[bool]
+    follow: bool
+    cluster_layers: Clustering
+    discover_rules: bool
+    solver: SolverChoice
+    time_limit_s: float
+    memory_budget_bytes: Optional[int]
+    optimizer_state_bytes: int
+    param_dtype: Optional[torch.dtype]
+    dynamic: Optional[Dynamic]
+    pipeline_axis: "int | PipelineAxis | None"
+    microbatches: int
+    pipeline_schedule: Schedule
+
+
+@dataclass(frozen=True)
+class RunningOptions:
+    collective_timeout_s: float
+    overlap: bool
+    max_inflight_bytes: int
+    compile: bool
+    compile_options: Optional[dict]
+    reduce_dtype: Optional[torch.dtype]

@@ -49,6 +49,21 @@ class PipelineMemoryError(MemoryBudgetError):
         return (type(self), (self.budget_bytes, self.smallest_bytes, self.stages, self.blocks, self.schedule))
 
 
+class PipelineAxis(str, Enum):
+    """Options.pipeline_axis besides an axis number."""
+
+    AUTO = "auto"  # the planner decides whether and on which axis pipelining pays
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:  # shown as the keyword a user passes (pipeline_axis='auto')
+        return repr(self.value)
+
+    def __hash__(self) -> int:
+        return hash(("PipelineAxis", self.value))
+
+
 class Schedule(str, Enum):
     """The order stages run microbatches in (torch.distributed.pipelining's schedules)."""
 
@@ -127,7 +142,7 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
 def check_request(mesh_shape: tuple[int, ...], axis: Any, microbatches: Any) -> None:
     """A clear error for a pipeline axis that is not a mesh axis (nor "auto") or
     microbatches that are not a positive int."""
-    if axis != "auto" and not (isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < len(mesh_shape)):
+    if axis is not PipelineAxis.AUTO and not (isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < len(mesh_shape)):
         raise PipelineError(f"pipeline_axis={axis!r} is not an axis of mesh {mesh_shape}; give an axis number "
                             f"0..{len(mesh_shape) - 1}, 'auto' (the planner decides) or None")
     if not (isinstance(microbatches, int) and not isinstance(microbatches, bool) and microbatches >= 1):

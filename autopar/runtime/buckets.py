@@ -4,7 +4,7 @@ The rewrite leaves out grad_sync steps that sit directly on a parameter whose ev
 syncs over the same mesh axes (passes/rewrite.py: deferred_grad_syncs); this reduces
 their gradients instead.
 
-1. At build time the parameters are laid into buckets of at most BUCKET_BYTES, per set
+1. At build time the parameters are laid into buckets of at most GRADIENT_BUCKET_BYTES (core/options.py), per set
    of sync axes, in reverse order of the program's inputs: the order backward produces
    their gradients.
 2. During backward each parameter's gradient hook copies this backward's gradient (not
@@ -33,10 +33,10 @@ import torch
 
 from autopar import _compat
 from autopar.core.errors import GradientError
+from autopar.core.options import GRADIENT_BUCKET_BYTES
 from autopar.runtime.collectives import AxisComm, Move, all_reduce, finish, launch_sum_in_place
 from autopar.core.kinds import StepKind
 
-BUCKET_BYTES = 25 * 2**20
 _SUM = Move(StepKind.ALL_REDUCE)
 
 
@@ -72,7 +72,7 @@ class GradBuckets:
             if id(p) in self.bucket_of:
                 continue
             bucket = open_by_axes.get(axes)
-            if bucket is None or (bucket.numel + p.numel()) * p.element_size() > BUCKET_BYTES:
+            if bucket is None or (bucket.numel + p.numel()) * p.element_size() > GRADIENT_BUCKET_BYTES:
                 bucket = open_by_axes[axes] = _Bucket(axes)
                 self.buckets.append(bucket)
             bucket.params.append(p)

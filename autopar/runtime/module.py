@@ -32,7 +32,7 @@ from autopar.core.dynamic import Dynamic
 from autopar.core.errors import InputMismatchError, MeshError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
-from autopar.core.options import Options
+from autopar.core.options import CostSource, Options
 from autopar.core.pipeline import PipelineError
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
@@ -275,7 +275,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         user = flatten_inputs(args, kwargs)[0] if dynamic_shapes is None else None  # to time the program
         plan = agreed_plan(traced, problem, lambda t: self._solve(t, profile, user), self._given, self._given_source,
                             self.group)
-        opts = self.options
+        opts = self.options.running  # how this rank runs the plan
         program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True,
                        inflight_cap_bytes=opts.max_inflight_bytes if opts.overlap else None)
         bind(program.gm, step_runner(self.comms, overlap=opts.overlap and not opts.compile,
@@ -294,7 +294,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     def _profile(self):
         """Options.cost_model == "profile": this machine's cached profile, with the mesh's
         links calibrated now if it lacks them (every rank takes part)."""
-        if self.options.cost_model != "profile":
+        if self.options.cost_model is not CostSource.PROFILE:
             return None
         return profile_for_mesh(self._profile_path(), self.mesh, self.comms, self.device, self.options.nodes)
 
