@@ -217,19 +217,21 @@ def _from_book(pm, path: str, rank: int) -> dict:
             "ran": [p.fingerprint for p in again.plan_book.plans]}
 
 
-def from_plan_file(rank: int, world: int, path: str) -> dict:
+def from_plan_file(rank: int, world: int, path: str, mesh: "tuple | None" = None,
+                   sizes: tuple = ((4, 8), (6, 12), (2, 4)), local: tuple = (8, 12)) -> dict:
     """A dynamic plan made offline (autopar.plan(..., dynamic=...)) and saved, run through
-    compile(plan=path): no solve on any rank, one trace, every size equal."""
+    compile(plan=path) on `mesh` (default (world,)) at `sizes`, and at `local` with each
+    rank's block: no solve on any rank, one trace, every size equal."""
     m = models.build("gpt2", **WIDE["gpt2"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autopar.compile(m, mesh=(world,), device=CHEAP_COMM, dynamic=RANGES, plan=path)
+        pm = autopar.compile(m, mesh=mesh or (world,), device=CHEAP_COMM, dynamic=RANGES, plan=path)
     pairs = []
-    for b, s in [(4, 8), (6, 12), (2, 4)]:
+    for b, s in sizes:
         args, kwargs = models.inputs("gpt2", b, s)
         with torch.no_grad():
             pairs.append(((b, s), _outputs(pm(*args, **kwargs)), _outputs(m(*args, **kwargs)), {}))
-    args, kwargs = models.inputs("gpt2", 8, 12)  # each rank passes its block, at a size not called yet
+    args, kwargs = models.inputs("gpt2", *local)  # each rank passes its block, at a size not called yet
     local_args, local_kwargs = pm.shard_inputs(*args, **kwargs)
     with torch.no_grad():
         pairs.append(("local", _outputs(pm(*local_args, local_inputs=True, **local_kwargs)),
