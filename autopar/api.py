@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch.distributed as dist
 from torch import nn
 
-from autopar.core.dynamic import Dynamic
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh, check_node_layout
 from autopar.core.options import Options
@@ -17,11 +16,10 @@ from autopar.core.pipeline import PipelineError
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook
-from autopar.passes import pipeline, planning
+from autopar.passes import planner
 from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
-from autopar.passes.planning import options_with, plan_traced, planning_inputs
-from autopar.passes.trace import TracedGraph, trace
-from autopar.runtime.dynamic_programs import DynamicPrograms
+from autopar.passes.planning import options_with, plan_annotated, planning_inputs
+from autopar.passes.trace import trace
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
@@ -96,20 +94,7 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
     would run. Keyword overrides go to Options (e.g. device="h100", training=True). With
     `dynamic=`, the trace and plan compile would make for these inputs' range (the same
     graph fingerprint, so compile(..., plan=that plan, dynamic=the same) runs it)."""
-    opts = options_with(options, option_overrides)
-    Mesh.of(mesh).ranks_per_node(opts.nodes)  # a node count that does not divide the mesh fails before tracing
-    dynamic = Dynamic.of(opts.dynamic)
-    if opts.pipeline_axis is not None and dynamic is None:  # passes/pipeline.py: stages chosen by the planner
-        return pipeline.plan_model(model, *planning.planning_inputs(model, args, kwargs), Mesh.of(mesh), opts)
-    if dynamic is None:
-        return planning.plan(model, args, kwargs, mesh=mesh, options=opts)
-    mesh_ = Mesh.of(mesh)
-
-    def traced_plan(a: tuple, kw: dict, shapes: tuple) -> _Planned:
-        traced = trace(model, *planning_inputs(model, a, kw), opts.param_dtype, shapes)
-        return _Planned(traced, plan_traced(traced, mesh_, opts)[1])
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    return DynamicPrograms(dynamic, traced_plan).compiled(args, dict(kwargs or {})).plan
+    return planner.plan_model(model, args, kwargs, Mesh.of(mesh), options_with(options, option_overrides))
 
 
 def check_launch_layout(mesh: Mesh, nodes: int) -> None:
@@ -120,14 +105,6 @@ def check_launch_layout(mesh: Mesh, nodes: int) -> None:
         return  # the runtime's own check says how to start a process group
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     check_node_layout(mesh, nodes, dist.get_world_size(), int(local) if local.isdigit() else None)
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """What DynamicPrograms needs of a compiled signature, offline."""
-
-    traced: TracedGraph
-    plan: Plan
 
 
 def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_cache_len: int = 256,
@@ -177,7 +154,7 @@ def plan_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_
     for inputs in steps:
         traced = trace(cached, *planning_inputs(cached, inputs, {}), opts.param_dtype)
         plans.append(plan_local_buffers(traced, mesh_, opts, pinned, local,
-                                        lambda graph: planning.plan_annotated(graph, opts)))
+                                        lambda graph: plan_annotated(graph, opts)))
         if pinned is None:
             pinned = {name: spec.placements for name, (_, spec) in
                       state_owners(traced, plans[-1], state.__getitem__).items()}

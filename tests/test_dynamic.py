@@ -26,7 +26,7 @@ from autopar.passes import dynamic as D
 from autopar.passes.planning import plan_traced
 from autopar.passes.simulate_mesh import simulate
 from autopar.passes.trace import flatten_inputs, trace
-from autopar.runtime.dynamic_programs import DynamicReplanWarning
+from autopar.passes.dynamic_plans import DynamicReplanWarning
 from autopar.tools.simulated import CHEAP_COMM
 from tests import models
 from tests.harness import run_ranks

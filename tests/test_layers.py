@@ -146,7 +146,7 @@ PASS_STAGES = (
     ("strategies", ("discovery", "strategies", "clusters")),
     ("solve", ("solver_backend", "ilp_terms", "ilp", "recompute_ilp", "ilp_overlap", "dominance", "solve")),
     ("plan", ("planning", "hand_plans", "buffer_layouts", "pipeline_relay", "pipeline_split", "pipeline_stages",
-              "pipeline")),
+              "pipeline", "dynamic_plans", "planner")),
     ("lower", ("program", "recompute", "schedule", "rewrite", "emit", "simulate_mesh")),
 )
 # imports a function may make: optional dependencies, and torch subsystems loaded only

@@ -47,7 +47,7 @@ from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.call_agreement import CallSignature, agree_on_call
 from autopar.runtime.step_runner import step_runner
 from autopar.runtime.compiling import compiled_program
-from autopar.runtime.dynamic_programs import PlannedSignature
+from autopar.passes.dynamic_plans import PlannedSignature
 from autopar.runtime.programs import ProgramCache
 from autopar.runtime.groups import MeshGroups, mesh_groups
 from autopar.runtime.checkpoint_view import CheckpointView, ShardView

@@ -4,8 +4,8 @@
 
 Without Options.dynamic a program serves one static signature: the input tree, its
 non-tensor values, every tensor's shape and dtype, and the module's mode (training and
-evaluation trace different graphs). With it, each mode keeps a DynamicPrograms
-(runtime/dynamic_programs.py), one program per range of sizes. Local inputs
+evaluation trace different graphs). With it, each mode keeps a DynamicPlans
+(passes/dynamic_plans.py), one program per range of sizes. Local inputs
 (pm(..., local_inputs=True)) are matched by the blocks each program's input layouts give
 this rank.
 """
@@ -19,7 +19,7 @@ import torch
 
 from autopar.core.dynamic import Dynamic
 from autopar.passes.trace import flatten_inputs
-from autopar.runtime.dynamic_programs import DynamicPrograms, PlannedSignature
+from autopar.passes.dynamic_plans import DynamicPlans, PlannedSignature
 
 Shapes = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
@@ -47,7 +47,7 @@ class ProgramCache:
     def __init__(self, dynamic: Optional[Dynamic], compile_fn: Callable[..., Any]) -> None:
         self.dynamic, self.compile_fn = dynamic, compile_fn
         self._static: dict[StaticSignature, Any] = {}
-        self._ranges: dict[bool, DynamicPrograms] = {}  # the module's mode -> its programs by range
+        self._ranges: dict[bool, DynamicPlans] = {}  # the module's mode -> its programs by range
 
     def compiled(self, args: tuple, kwargs: dict, training: bool) -> Any:
         if self.dynamic is not None:
@@ -86,7 +86,7 @@ class ProgramCache:
                   for key, c in self._static.items()]
         return static + [p for r in self._ranges.values() for p in r.plans]
 
-    def _of_mode(self, training: bool) -> DynamicPrograms:
+    def _of_mode(self, training: bool) -> DynamicPlans:
         if training not in self._ranges:
-            self._ranges[training] = DynamicPrograms(self.dynamic, self.compile_fn)
+            self._ranges[training] = DynamicPlans(self.dynamic, self.compile_fn)
         return self._ranges[training]

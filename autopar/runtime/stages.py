@@ -53,7 +53,8 @@ from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.emit import check_fingerprint
-from autopar.passes.pipeline import microbatch_inputs, plan_model
+from autopar.passes.pipeline import microbatch_inputs
+from autopar.passes.planner import plan_model
 from autopar.passes.pipeline_relay import Relayed
 from autopar.passes.pipeline_stages import split_stages, stage_inputs, stage_options
 from autopar.passes.planning import trace_for_planning

@@ -1,4 +1,6 @@
-"""The programs of a ParallelModule compiled with Options.dynamic: one per range of sizes.
+"""The plans of a model planned with Options.dynamic: one per range of sizes, and which
+of them serves a call (a ParallelModule keeps one DynamicPlans per mode, its entries its
+compiled programs; autopar.plan makes the first plan offline the same way).
 
     call -> flatten -> first program whose DynamicSignature serves it -> run (no trace, no solve)
                     \\-> none: why (out of range / indivisible) -> warn once (or raise) ->
@@ -21,16 +23,17 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from autopar import _compat
 from autopar.core.dynamic import DimName, Dynamic, OutOfRange
 from autopar.core.errors import InputMismatchError, OptionsError
+from autopar.core.plan import Plan
 from autopar.passes.dynamic import (DynamicSignature, RefusalKind, SymbolicDim, divisors, export_shapes, marked_dims,
                                     resized, sizes_of)
-from autopar.passes.trace import flatten_inputs
+from autopar.passes.trace import TracedGraph, flatten_inputs
 
 
 class DynamicReplanWarning(UserWarning):
@@ -51,11 +54,27 @@ class PlannedSignature:
         return text + "".join(f"; {s}" for s in self.symbols)
 
 
-class DynamicPrograms:
-    """Step 1-3 for one ParallelModule; `compile_fn(args, kwargs, dynamic_shapes)` traces
-    and plans (every rank takes part) and returns the module's Compiled."""
+class Planned(Protocol):
+    """What compile_fn returns: a traced graph and its plan (a ParallelModule's Compiled,
+    which adds the program, or autopar.plan's offline pair)."""
 
-    def __init__(self, dynamic: Dynamic, compile_fn: Callable[[tuple, dict, tuple], Any]) -> None:
+    traced: TracedGraph
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class PlannedGraph:
+    """A Planned made offline: the trace and plan, no program."""
+
+    traced: TracedGraph
+    plan: Plan
+
+
+class DynamicPlans:
+    """Steps 1-3; `compile_fn(args, kwargs, dynamic_shapes)` traces and plans (on ranks,
+    every rank takes part) and returns a Planned."""
+
+    def __init__(self, dynamic: Dynamic, compile_fn: Callable[[tuple, dict, tuple], Planned]) -> None:
         self.dynamic = dynamic
         self.compile_fn = compile_fn
         self.entries: list[tuple[DynamicSignature, Any, PlannedSignature]] = []
