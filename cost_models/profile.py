@@ -69,18 +69,13 @@ class Profile:
     # GPT-2 forward on one CPU rank, x0.93 for a 512-wide one). Measured on the first plan
     # of a graph (runtime/measure.py: calibrate_program) and applied to every op of it
     program_factor: dict[str, float] = field(default_factory=dict)
-    misses: set = field(default_factory=set)  # compute keys looked up and not found
 
     # ---- lookups the cost model makes --------------------------------------------
     def backward_s(self, target: Any, inputs: tuple, outputs: tuple) -> Optional[float]:
         return self.backward.get(compute_key(target, inputs, outputs))
 
     def compute_s(self, target: Any, inputs: tuple, outputs: tuple) -> Optional[float]:
-        key = compute_key(target, inputs, outputs)
-        value = self.compute.get(key)
-        if value is None:
-            self.misses.add(key)
-        return value
+        return self.compute.get(compute_key(target, inputs, outputs))
 
     def links(self, mesh_shape: tuple[int, ...],
               kinds: Optional[tuple[LinkKind, ...]] = None) -> dict[tuple[int, str], Link]:

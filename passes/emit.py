@@ -27,7 +27,7 @@ from autopar.core.options import INFLIGHT_CAP_BYTES
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.recompute import bodies, checkpoint_blocks
-from autopar.passes.rewrite import rewrite
+from autopar.passes.rewrite import deferred_grad_syncs, rewrite
 from autopar.passes.schedule import schedule
 from autopar.passes.strategies import OUTPUT
 from autopar.passes.trace import GraphInput, TracedGraph
@@ -39,6 +39,9 @@ class RankProgram:
     inputs: tuple[GraphInput, ...]
     specs: tuple[Spec, ...]  # the layout each input is fed in
     coords: tuple[int, ...]
+    # (parameter input, mesh axes) whose gradient sync the runtime's buckets run after
+    # backward instead of the program (passes/rewrite.py deferred_grad_syncs)
+    deferred_grad_syncs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def code(self) -> str:
@@ -51,14 +54,15 @@ def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optio
     With `inflight_cap_bytes` its collectives are scheduled to overlap compute
     (passes/schedule.py); None keeps each step where the rewrite put it."""
     check_fingerprint(plan, traced, "the plan")
-    gm = rewrite(traced, plan, device, defer_grad_sync, coords)
+    deferred = deferred_grad_syncs(traced, plan) if defer_grad_sync else {}
+    gm = rewrite(traced, plan, device, deferred, coords)
     if plan.recompute:
         checkpoint_blocks(gm, plan)
     if inflight_cap_bytes is not None:
         for program in [gm, *bodies(gm)]:
             schedule(program, plan.mesh.shape, inflight_cap_bytes)
     specs = tuple(plan.node(gi.name).outputs[0] for gi in traced.inputs)
-    return RankProgram(gm, traced.inputs, specs, coords)
+    return RankProgram(gm, traced.inputs, specs, coords, tuple(sorted(deferred.items())))
 
 
 def full_inputs(inputs: Sequence[GraphInput], state: Mapping[str, torch.Tensor],

@@ -246,9 +246,10 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     if budget is not None and param_bytes + state_bytes + activation_bytes > budget:  # interleaved: v stages a rank
         raise PipelineMemoryError(budget, param_bytes + state_bytes + activation_bytes, n_stages,
                                   len(units.block_s), schedule.value)
-    return Plan(mesh, full.model_name, full.fingerprint, training, sub.device, (), (), step_s * (1 - comm_share),
-                step_s * comm_share, param_bytes, activation_bytes,
-                replace(sub.solver, objective_s=step_s), sub.unruled_ops, state_bytes=state_bytes,
+    return Plan(mesh=mesh, model_name=full.model_name, fingerprint=full.fingerprint, training=training,
+                device=sub.device, nodes=(), edges=(), compute_s=step_s * (1 - comm_share),
+                comm_s=step_s * comm_share, param_bytes=param_bytes, activation_bytes=activation_bytes,
+                solver=replace(sub.solver, objective_s=step_s), unruled_ops=sub.unruled_ops, state_bytes=state_bytes,
                 cost_note=f"{sub.cost_note}; stages priced on sub-mesh {stage_mesh(mesh, axis).shape} at "
                           "microbatch size", discovered_ops=sub.discovered_ops, pipeline=pipeline)
 

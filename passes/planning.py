@@ -17,7 +17,7 @@ from autopar.core.placement import Placement
 from autopar.core.plan import Plan
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
-from autopar.cost_models.profile import Profile, program_key
+from autopar.cost_models.profile import Profile, compute_key, program_key
 from autopar.passes.solve import solve
 from autopar.passes.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace import TracedGraph, trace
@@ -43,16 +43,16 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
         profile = load_profile(options.profile_path)
     note = f"analytic preset {costs.device.name}"
     if profile is not None:
-        profile.misses.clear()
+        missed: set[str] = set()  # the op shapes the profile has no timing for (priced analytically)
         in_program = profile.program_factor.get(program_key(traced.fingerprint, mesh.shape, training), 1.0)
-        costs = replace(costs, compute_table=profile.compute_s, backward_table=profile.backward_s,
+        costs = replace(costs, compute_table=_noting_misses(profile, missed), backward_table=profile.backward_s,
                         measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
                         compute_scale=profile.cpu_contention * in_program,
                         collective_sync_s=profile.collective_sync_s or 0.0)
     plan = solve(graph, costs, options)
     if profile is not None:
         measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
-        note = (f"profile of {profile.device} (torch {profile.torch_version}): {len(profile.misses)} op timings "
+        note = (f"profile of {profile.device} (torch {profile.torch_version}): {len(missed)} op timings "
                 f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
                 + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
                    else "")
@@ -60,6 +60,16 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                 + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
                    if profile.collective_sync_s else ""))
     return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
+
+
+def _noting_misses(profile: Profile, missed: set[str]) -> Any:
+    """The profile's compute lookup, adding each key it lacks to `missed`."""
+    def lookup(target: Any, inputs: tuple, outputs: tuple) -> Optional[float]:
+        value = profile.compute_s(target, inputs, outputs)
+        if value is None:
+            missed.add(compute_key(target, inputs, outputs))
+        return value
+    return lookup
 
 
 def axis_links(costs: CostModel, kinds: tuple[LinkKind, ...]) -> tuple[AxisLink, ...]:

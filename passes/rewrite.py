@@ -44,12 +44,13 @@ aten = torch.ops.aten
 
 KEEP_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
-def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = None, defer_grad_sync: bool = False,
+def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = None,
+            deferred: Optional[dict[str, tuple[int, ...]]] = None,
             coords: Optional[tuple[int, ...]] = None) -> fx.GraphModule:
     """`device`: where this rank runs; ops that create tensors on the traced device
     (arange(device=...)) create them there instead (a model traced on meta, or rank r on cuda:r).
-    `defer_grad_sync`: leave data-parallel gradient syncs of parameters to the runtime's
-    bucketed all-reduce (autopar/runtime/buckets.py) instead of emitting them. The steps are
+    `deferred`: the data-parallel gradient syncs of parameters (deferred_grad_syncs) left to
+    the runtime's bucketed all-reduce (autopar/runtime/buckets.py) instead of emitted. The steps are
     unbound (passes/program.py): the runtime binds them to its process groups."""
     check_splits(plan)
     edges = {(e.consumer, e.position): e for e in plan.edges}
@@ -58,7 +59,7 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
     root = nn.Module()
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
-    deferred = deferred_grad_syncs(traced, plan) if defer_grad_sync else {}
+    deferred = deferred or {}
     resharded = _Resharder(root, graph, env, deferred, choice)
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":
@@ -89,9 +90,7 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
             raise NotImplementedError(f"cannot rewrite {node.op} node {node.name}: the traced graph should hold "
                                       "only placeholders, call_function nodes and one output")
     graph.lint()
-    gm = fx.GraphModule(root, graph, class_name="RankProgram")
-    gm.meta["autopar.deferred_grad_syncs"] = tuple(sorted(deferred.items()))
-    return gm
+    return fx.GraphModule(root, graph, class_name="RankProgram")
 
 
 class _Resharder:

@@ -23,6 +23,7 @@ autograd records nothing and every output would read as not kept.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -34,17 +35,18 @@ from autopar.core.kinds import NodeKind
 from autopar.passes.trace import TracedGraph
 
 
-META_KEY = "autopar.saved_outputs"  # traced.gm.meta: the answer, kept for the next solve of this graph
+# the answer per traced graph, kept for its next solve (and gone with the graph)
+_ANSWERS: "weakref.WeakKeyDictionary[fx.GraphModule, dict[str, tuple[bool, ...]]]" = weakref.WeakKeyDictionary()
 
 
 def saved_outputs(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:
     """Per op node, whether each output is kept for backward (module docstring)."""
-    if META_KEY not in traced.gm.meta:
+    if traced.gm not in _ANSWERS:
         try:
-            traced.gm.meta[META_KEY] = _run(traced)
+            _ANSWERS[traced.gm] = _run(traced)
         except Exception:  # noqa: BLE001 - a graph the fake run cannot take keeps the upper bound
-            traced.gm.meta[META_KEY] = {}
-    return traced.gm.meta[META_KEY]
+            _ANSWERS[traced.gm] = {}
+    return _ANSWERS[traced.gm]
 
 
 def _run(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:

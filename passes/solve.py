@@ -320,7 +320,8 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
     again = recompute_terms(nodes, edges, recompute, costs)
     hidden = plan_hidden_s(nodes, edges, costs, least) if least is not None else 0.0
-    return Plan(graph.mesh, graph.traced.model_name, graph.traced.fingerprint, costs.training, costs.device.name,
-                tuple(nodes), tuple(edges), compute_total + again.compute_s, comm_total + again.comm_s, param_bytes,
-                act_bytes + again.memory_bytes, report, graph.unruled_ops, state_bytes,
-                discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden)
+    return Plan(mesh=graph.mesh, model_name=graph.traced.model_name, fingerprint=graph.traced.fingerprint,
+                training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
+                compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
+                activation_bytes=act_bytes + again.memory_bytes, solver=report, unruled_ops=graph.unruled_ops,
+                state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden)

@@ -420,7 +420,7 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
         (pm(x) ** 2).mean().backward()
         (ref(x) ** 2).mean().backward()
         buffers.append([b.flat for b in pm.current.buckets.buckets])  # held: no address reused
-    deferred = pm.current.program.gm.meta["autopar.deferred_grad_syncs"]
+    deferred = pm.current.program.deferred_grad_syncs
     grads = {k: (pm.shards.get_parameter(k).grad.clone(),
                  local_chunk(p.grad, pm.state_specs[k], pm.mesh.shape, pm.coords)) for k, p in ref.named_parameters()}
     try:  # autograd.grad does not accumulate into .grad, where the reduced gradients go

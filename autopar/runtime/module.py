@@ -284,7 +284,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             self.state_specs = fill_shards(self.source_model, self.state_tensors, traced, plan, self.coords,
                                            self.on_meta)
             self._pinned = pinned_layouts(self.state_specs)
-        deferred = program.gm.meta.get("autopar.deferred_grad_syncs", ())
+        deferred = program.deferred_grad_syncs
         targets = {gi.name: gi.target for gi in traced.inputs}
         buckets = GradBuckets([(targets[n], self.state_tensors[targets[n]], axes) for n, axes in deferred], self.comms,
                               opts.reduce_dtype)
