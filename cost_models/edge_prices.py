@@ -39,7 +39,9 @@ class EdgePricer:
     """R: reshard steps and their cost, memoised on what they depend on: the source spec,
     the consumer's input spec and its grad-sync axes (the tensor meta is in the specs,
     the mesh in the cost model). Specs are numbered once per object, so the ~10^5 lookups
-    of an edge matrix hash small ints instead of walking placements and metas."""
+    of an edge matrix hash small ints instead of walking placements and metas. A pure
+    function behind its memo: every answer depends only on the arguments and the cost
+    model, whatever order the ILP's builder asks in."""
 
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs

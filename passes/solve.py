@@ -189,7 +189,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
         forward = EdgePricer(replace(costs, training=False))
         model = replace(model, blocks=block_terms(model, find_blocks(graph), forward, forward_s, memory))
     keep = _recompute_groups(model)
-    with_recompute = {"forward": forward} if model.blocks else {}  # without recompute, the call it always was
+    with_recompute = {"forward": forward} if model.blocks else {}  # prunes with forward prices only where blocks may recompute
     model = prune_dominated(model, pricer, with_memory=budget is not None, **with_recompute)
     # 3. the least time within the budget
     ilp = build_ilp(model, pricer, time_objective, budget, forward)

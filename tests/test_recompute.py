@@ -122,7 +122,7 @@ def test_saved_bytes_drop_as_measured(llama4):
 
 def test_saved_outputs_are_found_under_a_callers_inference_mode():
     """Planning from inside torch.inference_mode: the fake run still records what autograd
-    saves (it used to see nothing saved and count no activation bytes at all)."""
+    saves (seeing nothing saved would count no activation bytes at all)."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -42,7 +42,7 @@ from autopar.core.errors import CacheLimitError, InputMismatchError, ProcessGrou
 from autopar.core.plan_book import PlanBook
 from autopar.runtime.kv_cache import CacheShape, CachedLM
 
-__all__ = ["CacheLimitError", "Generator", "check_sampling", "next_tokens"]  # CacheLimitError: its old home
+__all__ = ["CacheLimitError", "Generator", "check_sampling", "next_tokens"]  # CacheLimitError: also importable from here
 
 # one step of the model: (input_ids (max_batch, S), cache_position (S,)) -> logits (max_batch, S, vocab)
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
