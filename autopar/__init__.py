@@ -4,7 +4,7 @@
     plan = autopar.plan(model, args, mesh=(2, 4))  # offline
     autopar.evaluate(plan), autopar.hand_plan(model, args, mesh=(2, 4), style="fsdp")
 
-The public names load lazily (PEP 562 module __getattr__): `import autopar.passes.solve`
+The public names load lazily (PEP 562 module __getattr__): `import autopar.passes.solve.solve`
 loads the planner and nothing above it (no runtime, no torch.distributed process groups),
 which tests/test_layers.py checks layer by layer.
 """
@@ -34,7 +34,7 @@ _EXPORTS = {
     "OptionsError": "autopar.core.errors",
     "CollectiveError": "autopar.core.errors", "PlanningError": "autopar.core.errors",
     "evaluate": "autopar.cost_models.evaluate", "Evaluation": "autopar.cost_models.evaluate",
-    "hand_plan": "autopar.passes.hand_plans",
+    "hand_plan": "autopar.passes.plan.hand_plans",
     "ParallelModule": "autopar.runtime.module",
     "Schedule": "autopar.core.pipeline", "PipelineError": "autopar.core.pipeline",
     "verify": "autopar.tools.verify", "VerifyReport": "autopar.tools.verify",

@@ -63,7 +63,7 @@ def dispatch_mode() -> type:
 
 def fake_mode() -> Any:
     """A fresh FakeTensorMode (a private module): tensors with shapes and no data
-    (passes/saved.py runs a graph on them to see what autograd saves)."""
+    (passes/trace/saved.py runs a graph on them to see what autograd saves)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
 

@@ -16,10 +16,10 @@ from autopar.core.pipeline import PipelineError
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook
-from autopar.passes import planner
-from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
-from autopar.passes.planning import options_with, plan_annotated, planning_inputs
-from autopar.passes.trace import trace
+from autopar.passes.plan import planner
+from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
+from autopar.passes.plan.planning import options_with, plan_annotated, planning_inputs
+from autopar.passes.trace.trace import trace
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule

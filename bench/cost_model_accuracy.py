@@ -91,7 +91,7 @@ def run(rank: int, world: int, args, profile_path: str) -> None:
 def _in_program(pm, profile_path: str, training: bool) -> float:
     """The program factor the plan was priced with (rank 0 wrote it to the profile)."""
     from autopar.cost_models.profile import program_key
-    from autopar.passes.planning import load_profile
+    from autopar.passes.plan.planning import load_profile
     if dist.get_rank() != 0:
         return float("nan")
     key = program_key(pm.current.traced.fingerprint, pm.mesh.shape, training)

@@ -63,8 +63,8 @@ def llama3_8b() -> None:
 
     from autopar.api import plan
     from autopar.core.dynamic import Dynamic
-    from autopar.passes import dynamic as D
-    from autopar.passes.trace import flatten_inputs, trace
+    from autopar.passes.trace import dynamic as D
+    from autopar.passes.trace.trace import flatten_inputs, trace
     warnings.simplefilter("ignore")
     cfg = T.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, use_cache=False)

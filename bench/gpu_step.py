@@ -10,7 +10,7 @@ A Llama-shaped model (random weights), AdamW, fp32 with TF32 matmuls unless said
    with param_dtype=bf16 against the plain model under torch.autocast(bf16). Each line
    prints the median step and the ratio autopar/plain (<= 1.00 is the goal).
 2. The plan for mesh (2, 4) on the h200 preset (training), every rank's program run in
-   lockstep on this one GPU (passes/simulate_mesh.py: collectives become local copies):
+   lockstep on this one GPU (passes/lower/simulate_mesh.py: collectives become local copies):
    eight ranks' forward and backward against one unsharded forward and backward. The
    ratio (8 ranks' time / unsharded) is the cost of smaller kernels and of the moves
    themselves (1.00 would be perfect splitting); the predicted per-rank compute of the
@@ -40,10 +40,10 @@ import autopar  # noqa: E402
 from autopar import _compat  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
-from autopar.passes.emit import emit, local_inputs  # noqa: E402
-from autopar.passes.planning import plan_traced  # noqa: E402
-from autopar.passes.simulate_mesh import run_lockstep  # noqa: E402
-from autopar.passes.trace import flatten_inputs, trace  # noqa: E402
+from autopar.passes.lower.emit import emit, local_inputs  # noqa: E402
+from autopar.passes.plan.planning import plan_traced  # noqa: E402
+from autopar.passes.lower.simulate_mesh import run_lockstep  # noqa: E402
+from autopar.passes.trace.trace import flatten_inputs, trace  # noqa: E402
 from autopar.tools.simulated import loss_of  # noqa: E402
 
 CUDA = torch.device("cuda", 0)  # --device cpu checks the script itself on a machine without one

@@ -18,10 +18,10 @@ import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from autopar.passes.hand_plans import STYLES, hand_pins  # noqa: E402
+from autopar.passes.plan.hand_plans import STYLES, hand_pins  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
-from autopar.passes.planning import plan_traced, trace_for_planning  # noqa: E402
+from autopar.passes.plan.planning import plan_traced, trace_for_planning  # noqa: E402
 from autopar.tools.zoo import build  # noqa: E402
 
 MODELS = ("gpt2-small", "llama-small")

@@ -4,7 +4,7 @@ against those measured in one training forward, with and without recompute.
 A 4-layer Llama (or GPT-2) planned for training on a mesh, once without a budget (every
 activation kept) and once at the smallest footprint (MemoryBudgetError's figure: every
 block recomputed where that helps). Each plan's rank programs run in the in-process
-simulator (passes/simulate_mesh.py) and autopar/tools/memory_meter.py sums the bytes the
+simulator (passes/lower/simulate_mesh.py) and autopar/tools/memory_meter.py sums the bytes the
 forward leaves allocated for backward, per rank. Last line: 'measured/predicted
 activation bytes: X' for the recomputing plan.
 
@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from autopar.core.errors import MemoryBudgetError  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
-from autopar.passes.planning import plan_traced  # noqa: E402
-from autopar.passes.trace import trace  # noqa: E402
+from autopar.passes.plan.planning import plan_traced  # noqa: E402
+from autopar.passes.trace.trace import trace  # noqa: E402
 from autopar.tools.memory_meter import kept_per_rank  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Does rank 0's shipped graph arrive intact? For each architecture's tiny config
 (autopar/tools/sweep_configs.py): trace it, carry the program through torch.export's
-serialiser as the other ranks receive it (passes/program_bytes.py)
+serialiser as the other ranks receive it (passes/trace/program_bytes.py)
 and compare the canonical fingerprints. One process, no ranks: this is the step where
 a rank would otherwise fall back to tracing for itself (runtime/shipping.py).
 
@@ -20,9 +20,9 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from autopar.passes.planning import planning_inputs  # noqa: E402
-from autopar.passes.program_bytes import load_program, program_bytes  # noqa: E402
-from autopar.passes.trace import export_program, traced_program  # noqa: E402
+from autopar.passes.plan.planning import planning_inputs  # noqa: E402
+from autopar.passes.trace.program_bytes import load_program, program_bytes  # noqa: E402
+from autopar.passes.trace.trace import export_program, traced_program  # noqa: E402
 from autopar.tools.sweep_configs import Task, Tiny, architectures  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""R of the ILP (passes/ilp.py): the reshard steps between a producer's output spec and
+"""R of the ILP (passes/solve/ilp.py): the reshard steps between a producer's output spec and
 the spec a consumer strategy reads, and their cost, memoised on the values they depend
 on: the source spec, the consumer's input spec and its grad-sync axes (the tensor meta
 is in the specs, the mesh and the device in the cost model).
@@ -17,7 +17,7 @@ from autopar.core.resharding import Step, Unreachable, reshard_moves, reshard_st
 from autopar.cost_models.model import CostModel
 from autopar.cost_models.overlap import credit_s, hideable_s
 
-INF = float("inf")  # the cost of an unreachable reshard (and, in passes/ilp.py, of an impossible choice)
+INF = float("inf")  # the cost of an unreachable reshard (and, in passes/solve/ilp.py, of an impossible choice)
 
 
 class Layouts(Protocol):

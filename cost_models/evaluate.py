@@ -10,7 +10,7 @@ Training steps credit the gradient buckets' all-reduces that run under backward
 the solver's objective counts it.
 
 Blocks the plan recomputes (Plan.recompute) are priced as the solver prices them
-(passes/recompute_ilp.py): their forward once more, and none of the bytes of their
+(passes/solve/recompute_ilp.py): their forward once more, and none of the bytes of their
 outputs read only inside the block (recompute_terms).
 """
 

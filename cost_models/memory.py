@@ -6,7 +6,7 @@
     user input   local block
     op           its local outputs (views excepted); in training the saved activations:
                  only the outputs autograd keeps for backward where `saved` says which
-                 (passes/saved.py), else all of them (an upper bound); in inference an
+                 (passes/trace/saved.py), else all of them (an upper bound); in inference an
                  upper bound of what is live at once
 """
 

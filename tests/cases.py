@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.core.kinds import NodeKind
-from autopar.passes.hand_plans import hand_plan
+from autopar.passes.plan.hand_plans import hand_plan
 # nearly free communication, dear compute: the solver shards as much as its rules allow,
 # which exercises every reshard path
 from autopar.tools.simulated import CHEAP_COMM
@@ -397,7 +397,7 @@ def calibrate_links(rank: int, world: int, mesh: tuple, path: str) -> dict:
         first = os.path.getmtime(path) if rank == 0 else None
         with torch.no_grad():
             out = (pm(x), m(x))
-    from autopar.passes.planning import load_profile
+    from autopar.passes.plan.planning import load_profile
     profile = load_profile(path) if rank == 0 else None
     return {"comm": profile and profile.comm, "note": pm.plan.cost_note,
             "sync_s": profile and profile.collective_sync_s, "out": out, "first_mtime": first,
@@ -441,9 +441,9 @@ def forced_plan(model, args: tuple, mesh: tuple, op: str, keep, more: "dict | No
     from autopar.cost_models.model import CostModel
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.solve import solve
-    from autopar.passes.strategies import annotate
-    from autopar.passes.trace import trace
+    from autopar.passes.solve.solve import solve
+    from autopar.passes.strategies.strategies import annotate
+    from autopar.passes.trace.trace import trace
     graph = annotate(trace(model, args), Mesh(mesh))
     tests = {op: keep, **(more or {})}
     nodes = tuple(replace(n, strategies=tuple(s for s in n.strategies if tests[n.op](s))) if n.op in tests else n

@@ -19,8 +19,8 @@ import torch
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from autopar.tools.simulated import CHEAP_COMM, simulate_sgd_steps
 from tests import cases
 from tests.harness import run_ranks

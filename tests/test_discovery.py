@@ -1,4 +1,4 @@
-"""Rule discovery (passes/discovery.py): what it finds must be what a careful person would
+"""Rule discovery (passes/strategies/discovery.py): what it finds must be what a careful person would
 write, and what it must not find it never proposes."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from autopar.core.placement import Partial, Replicate, Shard, TensorMeta
-from autopar.passes import discovery
+from autopar.passes.strategies import discovery
 from autopar.passes.rules import expand, rule_for
-from autopar.passes.simulate import op_call_of, run_sharded
+from autopar.passes.rules.simulate import op_call_of, run_sharded
 
 aten = torch.ops.aten
 

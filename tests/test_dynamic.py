@@ -22,11 +22,11 @@ from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import Shard
-from autopar.passes import dynamic as D
-from autopar.passes.planning import plan_traced
-from autopar.passes.simulate_mesh import simulate
-from autopar.passes.trace import flatten_inputs, trace
-from autopar.passes.dynamic_plans import DynamicReplanWarning
+from autopar.passes.trace import dynamic as D
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.lower.simulate_mesh import simulate
+from autopar.passes.trace.trace import flatten_inputs, trace
+from autopar.passes.plan.dynamic_plans import DynamicReplanWarning
 from autopar.tools.simulated import CHEAP_COMM
 from tests import models
 from tests.harness import run_ranks
@@ -42,7 +42,7 @@ def _outputs(out) -> list[torch.Tensor]:
     return [out.loss, out.logits]
 
 
-# ---- offline: every rank's program in one process (passes/simulate_mesh.py) ------------
+# ---- offline: every rank's program in one process (passes/lower/simulate_mesh.py) ------------
 def _traced(family: str, batch: int = 4, seq: int = 8):
     m = models.build(family, **WIDE[family])
     args, kwargs = models.inputs(family, batch, seq)

@@ -137,7 +137,7 @@ def test_vocab_parallel_embedding_matches(four_ranks):
 
 
 def test_clustered_plan_matches(four_ranks):
-    # 4-layer GPT-2: the two inner layers share ILP variables (passes/clusters.py); the
+    # 4-layer GPT-2: the two inner layers share ILP variables (passes/strategies/clusters.py); the
     # plan they give runs and its loss and gradients equal the single-device model's
     per_rank = four_ranks[_key(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
     assert per_rank[0]["shared_blocks"] == 1

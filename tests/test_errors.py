@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.passes.strategies import MissingRuleWarning
+from autopar.passes.strategies.strategies import MissingRuleWarning
 from tests.models import MLP
 
 
@@ -90,7 +90,7 @@ def test_compile_without_process_group_says_how_to_launch():
 
 def test_buffer_mutation_is_planned_not_refused():
     # BatchNorm in training updates its running statistics in place: the writes are
-    # carried through as outputs that update the buffers (passes/trace.py BufferUpdate)
+    # carried through as outputs that update the buffers (passes/trace/trace.py BufferUpdate)
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
     plan = autopar.plan(bn, (torch.randn(8, 4),), mesh=(2,))
     assert plan.model_name == "Sequential" and plan.nodes
@@ -225,8 +225,8 @@ def test_a_plan_file_cut_short_is_refused_at_load_naming_the_file(tmp_path):
 
 def test_a_plan_file_missing_a_node_of_the_graph_is_refused_before_running(tmp_path):
     from autopar.core.plan import Plan
-    from autopar.passes.emit import check_fingerprint
-    from autopar.passes.trace import trace
+    from autopar.passes.lower.emit import check_fingerprint
+    from autopar.passes.trace.trace import trace
     x = torch.randn(4, 16)
     path = _cut_plan(tmp_path, lambda d: d.update(
         nodes=[n for n in d["nodes"] if n["name"] != "relu_1"],

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from tests import cases, fuzz_models
 from tests.harness import run_ranks
 from autopar.tools.simulated import simulate_against

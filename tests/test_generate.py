@@ -257,7 +257,7 @@ def test_generation_errors_live_with_the_others():
 
 @pytest.mark.parametrize("layout", [(R, Shard(2)), (Shard(3), R), (R, Partial())])
 def test_a_cache_layout_may_split_only_batch_or_heads(layout):
-    from autopar.passes.buffer_layouts import LocalBuffers
+    from autopar.passes.plan.buffer_layouts import LocalBuffers
     with pytest.raises(MeshError, match="split only along dims"):
         LocalBuffers(("key_cache_0", "value_cache_0"), (0, 1), layout)
     assert LocalBuffers(("key_cache_0",), (0, 1), (Shard(0), Shard(1))).layout == (Shard(0), Shard(1))
@@ -304,7 +304,7 @@ def test_greedy_equals_one_device_on_2x4():
 
 @pytest.fixture(scope="module")
 def traced_decode():
-    from autopar.passes.planning import trace_for_planning
+    from autopar.passes.plan.planning import trace_for_planning
     from autopar.runtime.kv_cache import CachedLM
     cached = CachedLM(tiny_lm("llama"), MAX_BATCH, MAX_CACHE).eval()
     with warnings.catch_warnings():
@@ -316,8 +316,8 @@ def traced_decode():
 def test_solver_picks_the_cheapest_cache_layout_and_keeps_a_split_update_local(traced_decode):
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.buffer_layouts import LocalBuffers, candidate_layouts, plan_local_buffers
-    from autopar.passes.planning import plan_annotated
+    from autopar.passes.plan.buffer_layouts import LocalBuffers, candidate_layouts, plan_local_buffers
+    from autopar.passes.plan.planning import plan_annotated
     cached, traced = traced_decode
     mesh, opts = Mesh((1, 4)), Options(training=False)
     meta = next(gi.meta for gi in traced.inputs if gi.target == "key_cache_0")
@@ -359,8 +359,8 @@ def test_the_simulator_stores_a_local_cache_update_as_the_runtime_does(traced_de
     the plan keeps split (RS(1)) is the rank's block already, not cut again."""
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
-    from autopar.passes.planning import plan_annotated
+    from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
+    from autopar.passes.plan.planning import plan_annotated
     from autopar.runtime.kv_cache import CachedLM
     from autopar.tools.simulated import simulate_against
     cached, traced = traced_decode

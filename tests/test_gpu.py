@@ -19,8 +19,8 @@ import torch.distributed as dist
 import autopar
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from autopar.runtime.compiling import CompileFallbackWarning
 from autopar.tools.simulated import CHEAP_COMM, loss_of, simulate_against
 from tests import models

@@ -1,5 +1,5 @@
 """The same model plans to the same graph and plan in every process, whatever its
-PYTHONHASHSEED (passes/canonical.py): Gemma 3 with its mixed layer types and ModernBERT
+PYTHONHASHSEED (passes/trace/canonical.py): Gemma 3 with its mixed layer types and ModernBERT
 build their graphs iterating a set of layer types, so their op order follows the seed.
 A plan saved in a process with one seed runs in processes with another."""
 

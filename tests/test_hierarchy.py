@@ -25,7 +25,7 @@ from autopar.core.plan import Plan
 from autopar.cost_models.devices import preset
 from autopar.cost_models.model import CostModel
 from autopar.cost_models.profile import Profile
-from autopar.passes.planning import plan_traced, trace_for_planning
+from autopar.passes.plan.planning import plan_traced, trace_for_planning
 from tests import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

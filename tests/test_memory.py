@@ -74,8 +74,8 @@ def test_budget_plan_trains_correctly_in_simulation():
     outputs and gradients as the single device on every simulated rank."""
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
-    from autopar.passes.trace import trace
+    from autopar.passes.plan.planning import plan_traced
+    from autopar.passes.trace.trace import trace
     from tests.test_fuzz import check_plan_simulated
     model = MLP((64, 256, 64)).train()
     x = torch.randn(256, 64)

@@ -129,7 +129,7 @@ def test_inference_hides_nothing():
 def test_pruning_stays_exact_with_the_overlap_family(monkeypatch):
     # dominance compares serial prices; a choice that hides more could lose to one that
     # only looks cheaper serially, so pruning charges what a choice could hide less
-    import autopar.passes.solve as solve_module
+    import autopar.passes.solve.solve as solve_module
     pruned = _dp_mlp_plan(65536, device=SLOW_LINK)
     monkeypatch.setattr(solve_module, "prune_dominated", lambda model, pricer, with_memory: model)
     full = _dp_mlp_plan(65536, device=SLOW_LINK)
@@ -141,7 +141,7 @@ def test_a_pipelined_plan_splits_its_step_into_compute_and_comm_as_its_stages_pl
     # the stage prices (passes/pipeline.units_of) are compute + comm with nothing hidden, so
     # the pipelined step splits in the sub-mesh plan's comm / (compute + comm), not over its
     # overlapped total_s (which would shift hidden seconds from compute to comm)
-    from autopar.passes import pipeline
+    from autopar.passes.plan import pipeline
     from tests.models import build, inputs
     subs = []
     solve = pipeline.SubMeshSolves.__call__

@@ -12,9 +12,9 @@ import torch
 import autopar
 from autopar.core.pipeline import PipelineError, Schedule, Stage
 from autopar.core.plan import Plan
-from autopar.passes.pipeline import Units, microbatch_inputs, split_stages, stage_values, step_time
-from autopar.passes.pipeline_relay import Relayed, relay_skips
-from autopar.passes.pipeline_stages import _stage_examples, check_skips, split_model
+from autopar.passes.plan.pipeline import Units, microbatch_inputs, split_stages, stage_values, step_time
+from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
+from autopar.passes.plan.pipeline_stages import _stage_examples, check_skips, split_model
 from tests.models import build, inputs
 
 
@@ -59,7 +59,7 @@ def test_interleaved_stages_alternate_ranks_and_shrink_the_bubble():
 
 
 def test_activations_in_flight_follow_the_schedule():
-    from autopar.passes.pipeline import in_flight
+    from autopar.passes.plan.pipeline import in_flight
     stages = [Stage(k, k, k, k + 1, 1.0, 0, 0.0) for k in range(4)]
     assert [in_flight(Schedule.GPIPE, s, 4, 8) for s in stages] == [8, 8, 8, 8]
     assert [in_flight(Schedule.ONE_F_ONE_B, s, 4, 8) for s in stages] == [4, 3, 2, 1]
@@ -333,7 +333,7 @@ def interleaved_case(rank: int, world: int, mesh: tuple) -> dict:
 
 def skip_case(rank: int, world: int, mesh: tuple, schedule: str) -> dict:
     """SkipNet in 4 stages: the table and the first state skip stages and are relayed
-    through the stages between (passes/pipeline_relay.py); the first state's gradient
+    through the stages between (passes/plan/pipeline_relay.py); the first state's gradient
     comes back along the relay into stage 0's input layer."""
     out, pipe = _against_one_device(SkipNet().train(), (8, 8), mesh, schedule, rank)
     return {**out, "relayed": sorted(k for k, s in enumerate(pipe.stages.stages) if s.relay)}

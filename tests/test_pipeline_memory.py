@@ -14,9 +14,9 @@ import autopar
 from autopar.core.errors import MemoryBudgetError
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelineMemoryError, Schedule, check_microbatches
-from autopar.passes import pipeline
-from autopar.passes.pipeline import _fitting_split
-from autopar.passes.pipeline_split import MemoryBound, Units, smallest_split, split_stages
+from autopar.passes.plan import pipeline
+from autopar.passes.plan.pipeline import _fitting_split
+from autopar.passes.plan.pipeline_split import MemoryBound, Units, smallest_split, split_stages
 from tests.models import build, inputs
 
 FREE = (0.0, 0.0, 0.0)  # free sends between 4 blocks

@@ -92,8 +92,8 @@ def test_stage_names_map_to_the_original_and_the_stale_tied_alias_is_not_read():
     """torch's split keeps original names (older torch: '.'->'_'), moves Llama's
     non-persistent inv_freq into its stages, and aliases GPT-2's lm_head.weight into
     stage 0, whose graph never uses it."""
-    from autopar.passes.pipeline import microbatch_inputs
-    from autopar.passes.pipeline_stages import split_model
+    from autopar.passes.plan.pipeline import microbatch_inputs
+    from autopar.passes.plan.pipeline_stages import split_model
     from autopar.runtime.pipeline_state import name_table, original_name, read_names
     warnings.simplefilter("ignore")
     model = build("gpt2", n_layer=2)

@@ -11,11 +11,11 @@ import torch
 
 import autopar
 from autopar.cost_models.profile import Profile, fit_alpha_beta
-from autopar.passes.planning import load_profile
+from autopar.passes.plan.planning import load_profile
 from autopar.runtime.measure import profile_compute, samples_of, save_profile
 from autopar.core.mesh import Mesh
-from autopar.passes.strategies import annotate
-from autopar.passes.trace import trace
+from autopar.passes.strategies.strategies import annotate
+from autopar.passes.trace.trace import trace
 from tests import cases
 from tests.harness import run_ranks
 from tests.models import MLP
@@ -182,7 +182,7 @@ def test_ops_inside_a_program_are_priced_with_its_measured_factor(tmp_path):
     """Profile.program_factor scales every op of its graph, mesh and mode (and nothing
     else): a factor of 2 doubles the plan's compute, and the note says so."""
     from autopar.cost_models.profile import program_key
-    from autopar.passes.planning import trace_for_planning
+    from autopar.passes.plan.planning import trace_for_planning
     model = MLP((256, 1024, 256)).train()
     x = torch.randn(64, 256)
     traced = trace_for_planning(model, (x,))
@@ -212,9 +212,9 @@ def test_a_sharded_rank_program_runs_alone_with_stand_in_collectives(family):
     no process group; its outputs have the shapes the in-process mesh simulator gives
     rank 0."""
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced, trace_for_planning
-    from autopar.passes.simulate_mesh import simulate
-    from autopar.passes.trace import flatten_inputs
+    from autopar.passes.plan.planning import plan_traced, trace_for_planning
+    from autopar.passes.lower.simulate_mesh import simulate
+    from autopar.passes.trace.trace import flatten_inputs
     from autopar import _compat
     from autopar.runtime.measure import program_alone, time_program
     from autopar.runtime.shards import whole_state

@@ -1,5 +1,5 @@
-"""Activation recompute decided by the ILP (passes/recompute_ilp.py) and run under
-torch.utils.checkpoint (passes/recompute.py): no budget, no recompute; a budget between
+"""Activation recompute decided by the ILP (passes/solve/recompute_ilp.py) and run under
+torch.utils.checkpoint (passes/lower/recompute.py): no budget, no recompute; a budget between
 "every activation kept" and "every block recomputed" recomputes some blocks at the
 closed-form price (compute + the recomputed blocks' forward); the smallest footprint
 counts recompute; plans round-trip through JSON; gradients match one device in the
@@ -20,13 +20,13 @@ from autopar.core.options import Options
 from autopar.core.plan import Plan
 from autopar.cost_models.evaluate import evaluate, op_target, recompute_terms
 from autopar.cost_models.model import CostModel
-from autopar.passes import solve as solve_module
-from autopar.passes.emit import emit
-from autopar.passes.planning import plan_traced
-from autopar.passes.recompute import Recomputed
-from autopar.passes.recompute_ilp import block_terms
-from autopar.passes.saved import saved_outputs
-from autopar.passes.trace import trace
+from autopar.passes.solve import solve as solve_module
+from autopar.passes.lower.emit import emit
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.lower.recompute import Recomputed
+from autopar.passes.solve.recompute_ilp import block_terms
+from autopar.passes.trace.saved import saved_outputs
+from autopar.passes.trace.trace import trace
 from autopar.tools.memory_meter import kept_per_rank
 from autopar.tools.simulated import simulate_against
 from tests.models import build, inputs
@@ -107,7 +107,7 @@ def test_plan_json_round_trip(llama4, tmp_path):
 def test_saved_bytes_drop_as_measured(llama4):
     """Bytes the forward leaves for backward (autopar/tools/memory_meter.py), one device:
     recompute drops them as the plan predicts, within 20 %, and the plan's saved bytes
-    without recompute are within 20 % of the measure (passes/saved.py decides which
+    without recompute are within 20 % of the measure (passes/trace/saved.py decides which
     outputs count). The recomputing plan alone is not asserted: checkpoint also keeps
     region inputs no op saves (the attention mask) and an RNG state per region, which
     the plan does not count (bench/recompute_memory.py prints all three ratios)."""
@@ -157,7 +157,7 @@ def test_recompute_or_shard_the_cheaper_wins(two_way, monkeypatch):
 
 
 def test_dominance_pruning_keeps_the_recompute_optimum(two_way, monkeypatch):
-    """passes/dominance.py prunes choices inside recomputable blocks only where the
+    """passes/solve/dominance.py prunes choices inside recomputable blocks only where the
     forward seconds, kept bytes and forward edge prices are no worse too: exact."""
     *_, traced, free = two_way["gpt2"]
     budget = int(free.memory_bytes * 0.6)

@@ -1,5 +1,5 @@
 """Rule tests: strategy counts, and every strategy of every rule reproduces the op's
-single-device output when run shard by shard (passes/simulate.py) on (2, 2) and (1, 4)."""
+single-device output when run shard by shard (passes/rules/simulate.py) on (2, 2) and (1, 4)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from autopar.core.placement import P, Partial, R, Shard
 from autopar.passes.rules import expand, rule_for
-from autopar.passes.simulate import op_call_of, run_sharded
+from autopar.passes.rules.simulate import op_call_of, run_sharded
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(0)
@@ -194,8 +194,8 @@ class _SqueezeAll(torch.nn.Module):
 def test_squeeze_without_dims_keeps_a_dim_split_to_one_element_per_rank():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
-    from autopar.passes.trace import trace
+    from autopar.passes.plan.planning import plan_traced
+    from autopar.passes.trace.trace import trace
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
     model, x = _SqueezeAll().eval(), torch.randn(4, 8)
     traced = trace(model, (x,))
@@ -210,7 +210,7 @@ def test_write_rules_offer_every_layout_discovery_verifies(name):
     """The hand rules of the slice/select writes replaced discovery (which tried ~80
     candidates per call, for every step of a recurrent loop): they must not lose a
     layout the experiment finds."""
-    from autopar.passes.discovery import _discover
+    from autopar.passes.strategies.discovery import _discover
     target, args, kwargs = CASES[name]
     call, _ = op_call_of(target, args, kwargs)
     missing = set(_discover(call)) - set(rule_for(target)(call))

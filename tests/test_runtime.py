@@ -10,9 +10,9 @@ import torch
 
 import autopar
 from autopar.core.errors import FingerprintMismatchError, MemoryBudgetError, ProcessGroupError
-from autopar.passes.emit import emit
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.lower.emit import emit
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from autopar.tools.simulated import CHEAP_COMM
 from tests import cases, models
 from tests.harness import run_ranks
@@ -177,7 +177,7 @@ def test_an_unbound_program_says_it_cannot_run():
     assert "ap_" in program.code  # it has reshard steps
     state = dict(models.build("mlp").named_parameters())
     with pytest.raises(ProcessGroupError, match="emitted for reading"):
-        from autopar.passes.emit import local_inputs
+        from autopar.passes.lower.emit import local_inputs
         program.gm(*local_inputs(program, {k: v.detach() for k, v in state.items()}, traced.constants, [x], (2,),
                                  state_is_local=False))
 

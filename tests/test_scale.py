@@ -12,7 +12,7 @@ import pytest
 
 import autopar
 from autopar.cost_models.evaluate import evaluate
-from autopar.passes.hand_plans import STYLES, hand_plan
+from autopar.passes.plan.hand_plans import STYLES, hand_plan
 from autopar.tools.zoo import build
 
 

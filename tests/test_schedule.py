@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 
-from autopar.passes.emit import emit
-from autopar.passes.hand_plans import hand_plan
-from autopar.passes.program import StepModule, WaitModule
-from autopar.passes.schedule import inflight_bytes
-from autopar.passes.trace import trace
+from autopar.passes.lower.emit import emit
+from autopar.passes.plan.hand_plans import hand_plan
+from autopar.passes.lower.program import StepModule, WaitModule
+from autopar.passes.lower.schedule import inflight_bytes
+from autopar.passes.trace.trace import trace
 from tests import models
 from autopar.tools.simulated import simulate_against
 

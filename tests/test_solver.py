@@ -124,7 +124,7 @@ def test_training_plan_counts_backward():
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
 @pytest.mark.parametrize("mesh", [(1, 4), pytest.param((2, 2), marks=pytest.mark.slow)])
 def test_solver_never_costs_more_than_hand_plans(name, mesh):
-    from autopar.passes.hand_plans import hand_plan
+    from autopar.passes.plan.hand_plans import hand_plan
     model = models.build(name)
     args, kwargs = models.inputs(name, batch=4)
     device = _cheap_comm()
@@ -142,7 +142,7 @@ def test_solving_leaves_the_process_stdout_alone(capfd, monkeypatch):
     # silencing the solver must not redirect file descriptor 1 for the whole process:
     # whatever another thread writes while the ILP solves (here, the solve call itself)
     # still reaches stdout, and nothing else does (no solver banner)
-    import autopar.passes.solver_backend as backend
+    import autopar.passes.solve.solver_backend as backend
     run = backend._run_highs if backend.highspy is not None else backend._run_cbc
     calls = []
 
@@ -172,10 +172,10 @@ def test_a_fresh_process_plans_without_a_word_on_stdout():
 
 @pytest.mark.parametrize("budget", [None, 2**40])
 def test_dominance_pruning_keeps_the_objective_with_fewer_variables(monkeypatch, budget):
-    # passes/dominance.py claims pruning is exact: the ILP without it reaches the same
+    # passes/solve/dominance.py claims pruning is exact: the ILP without it reaches the same
     # optimum (stated tolerance 1e-9 relative: only the order of float sums differs);
     # under a budget a choice must also need no more bytes to prune another
-    import autopar.passes.solve as solve_module
+    import autopar.passes.solve.solve as solve_module
     model = models.build("gpt2")
     args, kwargs = models.inputs("gpt2", batch=2)
     kw = dict(mesh=(2, 2), device=_cheap_comm(), memory_budget_bytes=budget)
@@ -213,10 +213,10 @@ def test_dominance_pruning_counts_every_copy_of_a_clustered_edge(monkeypatch):
     # price to the objective: pruning that counted a twin once kept a choice whose own
     # saving it overrated, and the h100 plan of an 8-layer Llama on (1, 8) cost 12 % more
     # than data parallelism (19.1 vs 17.0 ms, bench/plan_quality.py)
-    import autopar.passes.solve as solve_module
+    import autopar.passes.solve.solve as solve_module
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced, trace_for_planning
+    from autopar.passes.plan.planning import plan_traced, trace_for_planning
     from autopar.tools.zoo import build
     model, args, kwargs = build("llama-small", batch=8, seq=512, training=True, device="meta")
     traced = trace_for_planning(model, args, kwargs)
@@ -229,7 +229,7 @@ def test_dominance_pruning_counts_every_copy_of_a_clustered_edge(monkeypatch):
 
 
 def test_cbc_fallback_reaches_the_highs_optimum():
-    # the program passes/solver_backend.py hands HiGHS as arrays goes to CBC through PuLP
+    # the program passes/solve/solver_backend.py hands HiGHS as arrays goes to CBC through PuLP
     # when highspy is missing: both must read it alike (bounds, equality rows, the
     # budget row, fixed columns) and so reach the same optimum
     model, args = MLP((16, 64, 16)).train(), (torch.randn(8, 16),)

@@ -16,8 +16,8 @@ import torch
 
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run
 from autopar.tools.sweep import (NOT_AUTOPARS, Outcome, Stage, SweepOptions, SweepResult, _simulate_and_compare,
                                  _Stopped, check_architecture, sweep)

@@ -1,4 +1,4 @@
-"""Tracing (passes/trace.py): the fingerprint tells graphs apart, the user's model is left
+"""Tracing (passes/trace/trace.py): the fingerprint tells graphs apart, the user's model is left
 as it was, every input layout torch.export takes is traced, writes to state are refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 from autopar.core.errors import TraceError, UnsupportedModelError
 from autopar.core.kinds import NodeKind
-from autopar.passes.trace import flatten_inputs, trace
+from autopar.passes.trace.trace import flatten_inputs, trace
 
 
 class Div(nn.Module):
@@ -154,7 +154,7 @@ class WritesBuffer(nn.Module):
 def test_a_write_to_a_buffer_is_an_output_that_updates_it(through_view):
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
+    from autopar.passes.plan.planning import plan_traced
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
 
     model, x = WritesBuffer(through_view).eval(), torch.randn(2, 4)  # no parameters: nothing to train
@@ -201,7 +201,7 @@ class SliceWrite(nn.Module):
 def test_a_slice_write_trains_and_matches_one_device_on_a_sharded_plan():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
+    from autopar.passes.plan.planning import plan_traced
     from tests import cases
     from autopar.tools.simulated import simulate_against
 
@@ -233,7 +233,7 @@ class NoGradRegion(nn.Module):
 def test_a_no_grad_region_is_inlined_and_lets_no_gradient_through():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
+    from autopar.passes.plan.planning import plan_traced
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
 
     torch.manual_seed(0)
@@ -268,7 +268,7 @@ class NoGradCast(nn.Module):
 def test_a_value_a_no_grad_region_casts_to_its_own_dtype_keeps_its_gradient_outside():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
+    from autopar.passes.plan.planning import plan_traced
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
 
     torch.manual_seed(0)
@@ -336,7 +336,7 @@ class CustomBackward(nn.Module):
 def test_a_custom_autograd_function_backward_is_kept_or_the_training_trace_refused():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
+    from autopar.passes.plan.planning import plan_traced
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
 
     torch.manual_seed(0)
@@ -382,7 +382,7 @@ class CountsInNoGrad(nn.Module):
 def test_a_write_inside_a_no_grad_region_is_a_buffer_update_or_refused():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
+    from autopar.passes.plan.planning import plan_traced
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
     model, x = CountsInNoGrad().train(), torch.randn(4, 8)
     traced = trace(model, (x,))
@@ -413,7 +413,7 @@ class _HandGelu(torch.autograd.Function):
 def test_a_custom_autograd_function_whose_backward_is_exact_trains():
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
-    from autopar.passes.planning import plan_traced
+    from autopar.passes.plan.planning import plan_traced
     from autopar.tools.simulated import CHEAP_COMM, simulate_against
     torch.manual_seed(0)
     model, x = CustomBackward(_HandGelu).train(), torch.randn(4, 6, 16)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import autopar
-from autopar.passes.program_bytes import load_program, program_bytes
-from autopar.passes.trace import export_program, trace, traced_program
+from autopar.passes.trace.program_bytes import load_program, program_bytes
+from autopar.passes.trace.trace import export_program, trace, traced_program
 from tests import models
 from tests.harness import plain_env, run_processes, run_ranks
 

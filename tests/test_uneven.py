@@ -33,11 +33,11 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import (Partial, R, Shard, Spec, TensorMeta, block_index, chunk_sizes, local_chunk,
                                    no_empty_block, parse_placements)
-from autopar.passes.planning import plan_annotated
+from autopar.passes.plan.planning import plan_annotated
 from autopar.passes.rules import expand, rule_for
-from autopar.passes.simulate import op_call_of, run_sharded
-from autopar.passes.strategies import AnnotatedGraph, annotate
-from autopar.passes.trace import trace
+from autopar.passes.rules.simulate import op_call_of, run_sharded
+from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
+from autopar.passes.trace.trace import trace
 from autopar.tools import zoo
 from autopar.tools.simulated import CHEAP_COMM, loss_of, simulate_against
 from tests.harness import run_ranks
@@ -240,7 +240,7 @@ def test_a_plan_with_an_unservable_split_is_refused_by_name():
     """A hand-edited plan that cuts 6 rows over 4 ranks (the last would hold none) is a
     PlanFileError naming the node, not a program with wrong blocks."""
     from autopar.core.errors import PlanFileError
-    from autopar.passes.rewrite import rewrite
+    from autopar.passes.lower.rewrite import rewrite
     torch.manual_seed(0)
     model, x = OddMLP(), torch.randn(6, 7)
     traced, plan = uneven_plan(model, (x,), {}, (4,), want=None)

@@ -47,7 +47,7 @@ class CostSource(_Mode):
 
 
 class Clustering(_Mode):
-    """Which identical repeated blocks share one set of ILP variables (passes/clusters.py)."""
+    """Which identical repeated blocks share one set of ILP variables (passes/strategies/clusters.py)."""
 
     INNER = "inner"  # all but the first and last layer of a stack
     ALL = "all"
@@ -96,12 +96,12 @@ class Options:
     # consumer, instead of getting free ILP variables (much smaller ILP, near-equal plans)
     follow: bool = True
     # identical repeated blocks (transformer layers) share one set of ILP variables, the
-    # boundaries between blocks still priced edge by edge (passes/clusters.py): Clustering
+    # boundaries between blocks still priced edge by edge (passes/strategies/clusters.py): Clustering
     # "inner" (the first and last layer of a stack keep their own), "all" or "off"
     # (True and False are taken as "inner" and "off")
     cluster_layers: Clustering = Clustering.INNER
     # ops without a hand-written rule get rules verified by experiment on random data
-    # (passes/discovery.py); False: such ops run replicated
+    # (passes/strategies/discovery.py); False: such ops run replicated
     discover_rules: bool = True
     # SolverChoice: "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc"
     solver: SolverChoice = SolverChoice.AUTO
@@ -116,7 +116,7 @@ class Options:
     # optimiser state per parameter element in training: AdamW keeps two fp32 values
     optimizer_state_bytes: int = 8
     # collectives start as early as their input exists and are waited on just before
-    # their result is used, with independent compute between (passes/schedule.py); their
+    # their result is used, with independent compute between (passes/lower/schedule.py); their
     # backward conjugates likewise. False: every step runs whole where the rewrite put it
     overlap: bool = True
     # bytes of collectives in flight at once on a rank (a start waits for older ones
@@ -139,7 +139,7 @@ class Options:
     # call that plans; Dynamic(batch=(lo, hi), seq=(lo, hi), plan_at=(b, s)): explicit.
     # Held as a Dynamic, or None for static shapes
     dynamic: Optional[Dynamic] = None
-    # pipeline parallelism (autopar/core/pipeline.py, passes/pipeline.py): the mesh axis whose
+    # pipeline parallelism (autopar/core/pipeline.py, passes/plan/pipeline.py): the mesh axis whose
     # coordinate is the stage, PipelineAxis.AUTO ("auto": the planner decides whether and
     # on which axis pipelining pays), or None (no pipeline)
     pipeline_axis: "int | PipelineAxis | None" = None

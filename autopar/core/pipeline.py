@@ -2,7 +2,7 @@
 
     Plan.pipeline: PipelinePlan | None   (None: no axis pipelines; the JSON has no key)
 
-A pipelined plan splits the repeated blocks of the model (passes/clusters.py) into
+A pipelined plan splits the repeated blocks of the model (passes/strategies/clusters.py) into
 contiguous ranges, one per stage; stage k runs on the ranks whose coordinate on the
 pipeline axis is k, a sub-mesh (the mesh without that axis) on which its own intra-op
 plan runs. The first stage also holds what comes before the blocks (embeddings), the

@@ -37,7 +37,7 @@ class Plan:
     unruled_ops: tuple[str, ...] = ()
     state_bytes: int = 0  # per rank: gradients and optimiser state (training plans)
     cost_note: str = ""  # where the costs came from (preset, or profile and how many timings it lacked)
-    discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/discovery.py)
+    discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/strategies/discovery.py)
     # stages, schedule and microbatches when a mesh axis pipelines (autopar/core/pipeline.py);
     # the nodes and edges are then empty: each stage has its own plan, of its own module
     # on its sub-mesh, in stage_plans
@@ -47,7 +47,7 @@ class Plan:
     links: tuple[AxisLink, ...] = ()  # per mesh axis: the link its collectives were priced with, and its kind
     # of comm_s, the seconds that run under compute (gradient buckets under backward: cost_models/overlap.py)
     hidden_s: float = 0.0
-    # a pipelined plan: each stage's plan, in stage order (passes/pipeline_stages.py); empty
+    # a pipelined plan: each stage's plan, in stage order (passes/plan/pipeline_stages.py); empty
     # when the stages are planned where they run (a profiled cost model times them there)
     stage_plans: tuple["Plan", ...] = ()
 

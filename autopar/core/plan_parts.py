@@ -101,7 +101,7 @@ class SolverReport:
 class RecomputedBlock:
     """A repeated block (a transformer layer) whose activations are not kept for backward
     but recomputed there (torch.utils.checkpoint semantics), as the ILP chose under a
-    memory budget (passes/recompute_ilp.py). Outputs read outside the block are still
+    memory budget (passes/solve/recompute_ilp.py). Outputs read outside the block are still
     kept; every other output of `nodes` is dropped after forward and made again."""
 
     name: str  # the block's module path, e.g. "transformer.h.3"

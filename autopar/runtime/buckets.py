@@ -1,7 +1,7 @@
 """Data-parallel gradient all-reduce in buckets, overlapped with backward (as DDP does).
 
 The rewrite leaves out grad_sync steps that sit directly on a parameter whose every use
-syncs over the same mesh axes (passes/rewrite.py: deferred_grad_syncs); this reduces
+syncs over the same mesh axes (passes/lower/rewrite.py: deferred_grad_syncs); this reduces
 their gradients instead.
 
 1. At build time the parameters are laid into buckets of at most GRADIENT_BUCKET_BYTES (core/options.py), per set

@@ -13,7 +13,7 @@ Every collective is torch's functional collective (`torch.ops._c10d_functional`)
 the tensor forms (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single):
 it returns at once with a tensor that `wait_tensor` completes. That is one mechanism
 for both ways a program runs: eagerly, where the start and the wait are two nodes of
-the program and compute runs between them (passes/schedule.py places them), and
+the program and compute runs between them (passes/lower/schedule.py places them), and
 under torch.compile, which traces functional collectives without graph breaks (work
 handles would break the graph). A move is a `launch` (lay the input out, issue the
 collective) and a `finish` (wait, lay the result out); the two halves of an
@@ -33,7 +33,7 @@ the global sizes of its dims (read off the step's layout) and their units (Shard
 blocks of whole heads, ceil(n / (k u)) u, only the last short); an even split skips padding.
 
 Nothing here decides what to run: the Plan's steps do, through runtime/step_runner.py,
-which the StepModules of an emitted program (passes/program.py) are bound to.
+which the StepModules of an emitted program (passes/lower/program.py) are bound to.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ attribute, so the cache layers, which hold the original tensor objects, are lift
 constants and the cache writes never become buffer updates (transformers 5.24). Here
 the cache layers are pointed at the module's buffers at every call, through attribute
 access, so export sees the writes to the buffers themselves: each `index_copy_` into a
-cache layer becomes a buffer update of the traced graph (passes/trace.py,
+cache layer becomes a buffer update of the traced graph (passes/trace/trace.py,
 TracedGraph.buffer_updates), which the plan may split like any other tensor.
 
 1. Each call first sets every layer's write position from `cache_position[0]`

@@ -36,12 +36,12 @@ from autopar.core.mesh import Mesh
 from autopar.core.placement import TensorMeta
 from autopar.core.plan import Plan
 from autopar.cost_models.profile import COLLECTIVES, Profile, compute_key, fit_alpha_beta, program_key
-from autopar.passes.emit import emit, local_inputs
-from autopar.passes.program import bind
+from autopar.passes.lower.emit import emit, local_inputs
+from autopar.passes.lower.program import bind
 from autopar.passes.rules.local import localize_call
-from autopar.passes.trace import TracedGraph
+from autopar.passes.trace.trace import TracedGraph
 from autopar.passes.rules import TensorArg
-from autopar.passes.strategies import AnnotatedGraph
+from autopar.passes.strategies.strategies import AnnotatedGraph
 from autopar.runtime.collectives import AxisComm, all_gather, all_reduce, all_to_all, reduce_scatter
 from autopar.runtime.step_runner import step_runner
 

@@ -13,8 +13,8 @@ from torch import nn
 from autopar.core.options import Options
 from autopar.core.plan import Plan
 from autopar.cost_models.profile import Profile
-from autopar.passes.planning import plan_annotated
-from autopar.passes.strategies import AnnotatedGraph
+from autopar.passes.plan.planning import plan_annotated
+from autopar.passes.strategies.strategies import AnnotatedGraph
 from autopar.runtime.measure import calibrate_program, profile_compute, samples_of, save_profile
 from autopar.runtime.shards import whole_state
 

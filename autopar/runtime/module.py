@@ -12,7 +12,7 @@ A coordinator over small parts: groups.py (process groups per mesh axis), shippi
 the same on every rank before any collective), planner.py (rank 0 plans, every rank
 agrees), shards.py (this rank's parameters), measure.py (the profiling cost model),
 buckets.py (data-parallel gradient all-reduce), state.py (clipping, state dicts,
-checkpoints) and passes/emit.py (the program, its inputs, and the blocks of the
+checkpoints) and passes/lower/emit.py (the program, its inputs, and the blocks of the
 buffers it writes, which shards.store_buffers keeps after each call).
 """
 
@@ -37,17 +37,17 @@ from autopar.core.pipeline import PipelineError
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook, given_plans
-from autopar.passes.buffer_layouts import LocalBuffers, plan_local_buffers
-from autopar.passes.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
-from autopar.passes.planning import plan_annotated
-from autopar.passes.program import bind
-from autopar.passes.strategies import AnnotatedGraph, annotate
-from autopar.passes.trace import TracedGraph, flatten_inputs
+from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
+from autopar.passes.lower.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
+from autopar.passes.plan.planning import plan_annotated
+from autopar.passes.lower.program import bind
+from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
+from autopar.passes.trace.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.call_agreement import CallSignature, agree_on_call
 from autopar.runtime.step_runner import step_runner
 from autopar.runtime.compiling import compiled_program
-from autopar.passes.dynamic_plans import PlannedSignature
+from autopar.passes.plan.dynamic_plans import PlannedSignature
 from autopar.runtime.programs import ProgramCache
 from autopar.runtime.groups import MeshGroups, mesh_groups
 from autopar.runtime.checkpoint_view import CheckpointView, ShardView
@@ -82,7 +82,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
                  loss_fn: Optional[Callable[..., torch.Tensor]] = None, stages: Optional[Stages] = None) -> None:
         """`local_buffers`: buffers (a KV cache) whose layout is chosen among candidate
         splits by solving once per candidate, each rank then keeping its block of their
-        updates without communication (passes/buffer_layouts.py). `groups`: the groups of
+        updates without communication (passes/plan/buffer_layouts.py). `groups`: the groups of
         a sub-mesh (a pipeline stage's, groups.stage_groups); default: the whole world.
         `loss_fn(output, target)`: what step() minimises. `stages`: a pipelined plan's."""
         super().__init__()

@@ -30,8 +30,8 @@ from autopar.core.plan import Plan
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import TensorMeta
 from autopar.core.plan_book import PlanBook, PricedAt
-from autopar.passes.emit import check_fingerprint
-from autopar.passes.trace import TracedGraph
+from autopar.passes.lower.emit import check_fingerprint
+from autopar.passes.trace.trace import TracedGraph
 
 # what rank 0 runs to plan a traced graph (it may measure first, with every rank: see module.py)
 Solve = Callable[[TracedGraph], Plan]

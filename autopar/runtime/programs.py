@@ -5,7 +5,7 @@
 Without Options.dynamic a program serves one static signature: the input tree, its
 non-tensor values, every tensor's shape and dtype, and the module's mode (training and
 evaluation trace different graphs). With it, each mode keeps a DynamicPlans
-(passes/dynamic_plans.py), one program per range of sizes. Local inputs
+(passes/plan/dynamic_plans.py), one program per range of sizes. Local inputs
 (pm(..., local_inputs=True)) are matched by the blocks each program's input layouts give
 this rank.
 """
@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from autopar.core.dynamic import Dynamic
-from autopar.passes.trace import flatten_inputs
-from autopar.passes.dynamic_plans import DynamicPlans, PlannedSignature
+from autopar.passes.trace.trace import flatten_inputs
+from autopar.passes.plan.dynamic_plans import DynamicPlans, PlannedSignature
 
 Shapes = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 

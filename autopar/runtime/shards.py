@@ -25,8 +25,8 @@ from torch import nn
 
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
-from autopar.passes.emit import shard
-from autopar.passes.trace import TracedGraph
+from autopar.passes.lower.emit import shard
+from autopar.passes.trace.trace import TracedGraph
 
 
 def tied_groups(names: Iterable[str], tensor_of: Callable[[str], Any]) -> list[list[str]]:

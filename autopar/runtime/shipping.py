@@ -11,10 +11,10 @@ rank the tracing time: the tests' tiny llama (232 nodes) traces in ~0.7 s on a C
 serialising takes ~0.3 s on rank 0 and loading ~0.25 s on the others (464 KiB sent).
 
 1. Rank 0 exports (torch.export, functionalisation, differentiable copies), serialises
-   the program with torch.export's own serialiser (passes/program_bytes.py:
+   the program with torch.export's own serialiser (passes/trace/program_bytes.py:
    faithful to every node and its metadata, versioned with torch; the weights travel
    as meta stand-ins, so a large model sends only its graph), then reads the signature
-   of its program (step 4 of passes/trace.py, which renames the placeholders).
+   of its program (step 4 of passes/trace/trace.py, which renames the placeholders).
 2. Rank 0 broadcasts the program, its fingerprint and the signature of its inputs, or
    the error it met, over the default process group (whose timeout bounds the wait).
 3. Every other rank compares the signature of its own inputs with rank 0's (a
@@ -22,7 +22,7 @@ serialising takes ~0.3 s on rank 0 and loading ~0.25 s on the others (464 KiB se
    program, reads its signature (step 4 is a pure function of the program) and checks
    that the fingerprint is rank 0's. Where it is not (torch's serialiser wrote some op
    differently), the rank traces the model itself: traces are in canonical form
-   (passes/canonical.py), so its own trace is rank 0's graph unless the model's
+   (passes/trace/canonical.py), so its own trace is rank 0's graph unless the model's
    Python builds a different graph in each process, which is then the error.
 Problems are returned, not raised: planner.agreed_plan raises them on every rank, so
 no rank is left waiting in a collective. Where torch's serialiser cannot write rank
@@ -42,9 +42,9 @@ from torch import nn
 
 from autopar import _compat
 from autopar.core.errors import FingerprintMismatchError
-from autopar.passes.planning import planning_inputs
-from autopar.passes.program_bytes import load_program, program_bytes
-from autopar.passes.trace import Leaf, TracedGraph, export_program, flatten_inputs, trace, traced_program
+from autopar.passes.plan.planning import planning_inputs
+from autopar.passes.trace.program_bytes import load_program, program_bytes
+from autopar.passes.trace.trace import Leaf, TracedGraph, export_program, flatten_inputs, trace, traced_program
 from autopar.runtime.planner import attempt, from_rank, sendable
 
 Traced = tuple[Optional[TracedGraph], Optional[Exception]]
@@ -80,7 +80,7 @@ def shared_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optio
                  device: torch.device, dynamic_shapes: Optional[tuple] = None, group: Any = None) -> Traced:
     """This rank's TracedGraph of `model(*args, **kwargs)`, traced on rank 0 only, or the
     error met (here or on rank 0). `device`: where this rank runs. `dynamic_shapes`:
-    torch.export's symbolic dims (passes/dynamic.py), the same on every rank. `group`:
+    torch.export's symbolic dims (passes/trace/dynamic.py), the same on every rank. `group`:
     the ranks sharing the trace (a pipeline stage's sub-mesh; None: the world), its
     first rank tracing."""
     if dist.get_world_size(group) == 1:

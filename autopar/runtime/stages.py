@@ -6,8 +6,8 @@
     sub-mesh of the ranks whose coordinate is k -> torch's build_stage(pipe.info(), group:
     the pipeline axis) -> ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with loss_fn
 
-1. The first rank plans (passes/pipeline.py: stages chosen by the DP, then every stage's
-   own plan, passes/pipeline_stages.py) and sends the plan to every rank; a given Plan
+1. The first rank plans (passes/plan/pipeline.py: stages chosen by the DP, then every stage's
+   own plan, passes/plan/pipeline_stages.py) and sends the plan to every rank; a given Plan
    skips it (pipelined_plan). A plan without a pipeline (pipeline_axis="auto" found that
    pipelining does not pay) runs as one program, with no stages.
 2. Every rank makes the groups of every stage's sub-mesh and of the pipeline axis
@@ -26,7 +26,7 @@
 5. After each step, a tied parameter with a copy in several stages (GPT-2's wte and
    lm_head) gets the summed gradient in every copy (sync_tied_grads), so copies step alike.
 6. A value read by a stage further than the next one (Llama's rotary tables) is relayed
-   through the stages in between (passes/pipeline_relay.py) where torch cannot send it
+   through the stages in between (passes/plan/pipeline_relay.py) where torch cannot send it
    straight: floating in training (torch takes a gradient back from one reader only), any
    under the interleaved schedule. A relaying stage returns a copy of the relay input
    after its own outputs (StageModule.forward); its own program never sees it.
@@ -52,12 +52,12 @@ from autopar.core.options import Options
 from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
-from autopar.passes.emit import check_fingerprint
-from autopar.passes.pipeline import microbatch_inputs
-from autopar.passes.planner import plan_model
-from autopar.passes.pipeline_relay import Relayed
-from autopar.passes.pipeline_stages import split_stages, stage_inputs, stage_options
-from autopar.passes.planning import trace_for_planning
+from autopar.passes.lower.emit import check_fingerprint
+from autopar.passes.plan.pipeline import microbatch_inputs
+from autopar.passes.plan.planner import plan_model
+from autopar.passes.plan.pipeline_relay import Relayed
+from autopar.passes.plan.pipeline_stages import split_stages, stage_inputs, stage_options
+from autopar.passes.plan.planning import trace_for_planning
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_state import (PipelineCheckpoint, gather_pipeline_state, load_pipeline_state, name_table,
@@ -142,7 +142,7 @@ class StageModule(nn.Module):
 
 def pipelined_plan(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
                    given: Optional[Plan]) -> Plan:
-    """Step 1: the plan every rank runs, rank 0's (passes/pipeline.py) or the given one,
+    """Step 1: the plan every rank runs, rank 0's (passes/plan/pipeline.py) or the given one,
     checked against this model and these inputs (a plan without a pipeline, where
     pipeline_axis="auto" found that pipelining does not pay, runs as one program)."""
     check_world(mesh)

@@ -1,9 +1,9 @@
 """A reshard step of a rank program run on this rank's process groups: the step's two
 directions (the forward move and its conjugate, autopar/core/resharding.py's table) as
 autograd functions, and the runner the StepModules of an emitted program
-(passes/program.py) are bound to.
+(passes/lower/program.py) are bound to.
 
-With overlap, a communicating step is a start and a wait (passes/schedule.py places
+With overlap, a communicating step is a start and a wait (passes/lower/schedule.py places
 compute between them): the start launches the forward collective, the wait finishes it;
 in backward the wait's node launches the conjugate and the start's node finishes it, the
 gradient travelling between them in a `Started` box. Without overlap each step runs
@@ -141,7 +141,7 @@ def _splits(step: Step) -> bool:
 
 
 class ProcessGroupRunner:
-    """Runs reshard steps on this rank's process groups (passes/program.py: StepRunner).
+    """Runs reshard steps on this rank's process groups (passes/lower/program.py: StepRunner).
     `overlap=False` runs each step whole in its start (its wait passes it on): the form
     torch.compile traces, leaving the ordering of collectives to the compiler."""
 

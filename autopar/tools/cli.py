@@ -22,9 +22,9 @@ from autopar.core.errors import AutoparError
 from autopar.core.files import write_json_atomic
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
-from autopar.passes.emit import emit
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.lower.emit import emit
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from autopar.tools import zoo
 from autopar.tools.coverage import coverage, report
 from autopar.tools.simulated import CHEAP_COMM

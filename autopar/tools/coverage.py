@@ -15,8 +15,8 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.placement import R, Spec
 from autopar.cost_models.model import CostModel
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from autopar.tools import zoo
 
 

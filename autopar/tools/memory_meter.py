@@ -20,9 +20,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autopar import _compat
 from autopar.core.kinds import NodeKind
 from autopar.core.plan import Plan
-from autopar.passes.emit import emit, local_inputs
-from autopar.passes.simulate_mesh import run_lockstep
-from autopar.passes.trace import TracedGraph, flatten_inputs
+from autopar.passes.lower.emit import emit, local_inputs
+from autopar.passes.lower.simulate_mesh import run_lockstep
+from autopar.passes.trace.trace import TracedGraph, flatten_inputs
 from autopar.tools.simulated import loss_of
 
 

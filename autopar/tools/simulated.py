@@ -1,4 +1,4 @@
-"""A plan checked in the in-process mesh simulator (passes/simulate_mesh.py) against the
+"""A plan checked in the in-process mesh simulator (passes/lower/simulate_mesh.py) against the
 single-device model: every simulated rank's outputs, its block of every buffer the
 model writes (BatchNorm's running statistics) and, in training, every local parameter
 gradient, at torch.testing.assert_close's fp32 defaults.
@@ -24,8 +24,8 @@ from autopar import _compat
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import block_index, local_chunk
 from autopar.cost_models.devices import DeviceSpec, Link
-from autopar.passes.simulate_mesh import simulate
-from autopar.passes.trace import flatten_inputs
+from autopar.passes.lower.simulate_mesh import simulate
+from autopar.passes.trace.trace import flatten_inputs
 
 # nearly free communication and dear compute: the solver shards all its rules allow, so
 # a check in the simulator (or on ranks) exercises sharded programs, not replicas

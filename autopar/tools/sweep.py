@@ -45,8 +45,8 @@ from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.cost_models.devices import DeviceSpec
-from autopar.passes.planning import plan_traced
-from autopar.passes.trace import trace
+from autopar.passes.plan.planning import plan_traced
+from autopar.passes.trace.trace import trace
 from autopar.tools.float64_check import float64_math, in_float64
 from autopar.tools.simulated import CHEAP_COMM, Reference, reference_run, simulate_against
 from autopar.tools.sweep_configs import Task, Tiny, architectures

@@ -23,8 +23,8 @@ from autopar import api
 from autopar.core.errors import InputMismatchError
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Partial, local_chunk
-from autopar.passes.emit import full_inputs, local_inputs
-from autopar.passes.trace import flatten_inputs, kv_cache_off
+from autopar.passes.lower.emit import full_inputs, local_inputs
+from autopar.passes.trace.trace import flatten_inputs, kv_cache_off
 from autopar.runtime.module import ParallelModule
 
 

@@ -12,7 +12,7 @@ do not:
                          here; ids outside look up nothing and give zeros, so the ranks'
                          outputs sum to the full lookup (the rule's output is P)
 
-The rewrite (passes/rewrite.py), the simulator (passes/simulate.py), rule discovery and
+The rewrite (passes/lower/rewrite.py), the simulator (passes/rules/simulate.py), rule discovery and
 the runtime's measurements all run ops through localize_call, so a rank, the simulator
 and the solver's timings run the same local form.
 """
@@ -32,7 +32,7 @@ SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
 # a local block can be laid out otherwise than the whole tensor was (a shard cut along an
 # inner dim, a gathered result), so a view that was legal on the whole may not be on the
 # block: reshape views where it can and copies where it must. Graphs are functional where
-# values are written (passes/trace.py), so no write relies on the aliasing.
+# values are written (passes/trace/trace.py), so no write relies on the aliasing.
 LOCAL_TARGET = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 

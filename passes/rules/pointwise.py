@@ -43,7 +43,7 @@ NONLINEAR_BINARY = {
     aten.pow.Tensor_Tensor, aten.masked_fill.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar,
     aten.rsub.Tensor, aten.atan2.default, aten.remainder.Tensor, aten.floor_divide.default,
     aten.min.other, aten.max.other,
-    # functional forms of in-place writes (passes/trace.py): the result is `src` / `value`
+    # functional forms of in-place writes (passes/trace/trace.py): the result is `src` / `value`
     # broadcast to self's shape
     aten.copy.default, aten.fill.Tensor,
 }

@@ -11,7 +11,7 @@ that merges it with another, whose chunks fall elsewhere) and no output is an av
 (a mean of unequal blocks' means is not the mean).
 
 Units (Shard.unit: a dim cut between whole heads, autopar/core/placement.py): with `units`
-(dim size -> head sizes, passes/strategies.py head_units), an axis whose heads do not
+(dim size -> head sizes, passes/strategies/strategies.py head_units), an axis whose heads do not
 divide it also gets each rule again with its shards in whole heads, where every shard of
 the rule is of one size (the op cuts them all at the same places: a matmul's letter, an
 elementwise dim). A view states its own (passes/rules/views.py: 320 in heads of 64 is

@@ -1,0 +1,119 @@
+"""Stage 6: order a rank program so that its collectives run beside independent compute.
+
+    before:  a = mm(x, w1);  s = start(a);  r = wait(s);  b = add(r, y);  c = mm(z, w2)
+    after:   a = mm(x, w1);  s = start(a);  c = mm(z, w2);  r = wait(s);  b = add(r, y)
+
+A communicating reshard step is two nodes (passes/lower/program.py): its start issues the
+collective, its wait hands over the result. Between them the rank computes whatever
+does not need the result. Backward follows: the wait's backward launches the conjugate
+collective and the start's backward finishes it (autopar/runtime/step_runner.py), so a
+start placed early is also a backward collective finished late.
+
+1. Starts are issued as early as their input exists, in their original order (every
+   rank runs the same schedule, so every process group sees one order of collectives).
+2. A wait is placed just before the first node that uses its result.
+3. At most `cap_bytes` are in flight: before a start that would exceed it, the oldest
+   collectives in flight are waited on first (one collective alone may exceed the cap).
+Nodes keep their names; the graph's meaning does not change, only its order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from torch import fx
+
+from autopar.core.kinds import StepKind
+from autopar.core.options import INFLIGHT_CAP_BYTES
+from autopar.core.resharding import Step
+from autopar.passes.lower.program import StepModule, WaitModule
+
+
+
+def inflight_bytes(step: Step, mesh_shape: tuple[int, ...]) -> int:
+    """Bytes a collective holds while in flight: its input, or its output where larger."""
+    if step.before is None:
+        return 0
+    local = step.before.local_nbytes(mesh_shape)
+    return local * mesh_shape[step.axis] if step.kind is StepKind.ALL_GATHER else local
+
+
+def schedule(gm: fx.GraphModule, mesh_shape: tuple[int, ...], cap_bytes: int = INFLIGHT_CAP_BYTES) -> fx.GraphModule:
+    """Reorder `gm`'s nodes in place (see the module docstring); returns gm."""
+    order = _Order(gm, mesh_shape, cap_bytes)
+    for node in order.body:
+        order.require(node)
+        order.issue_ready_starts()
+    order.require(order.output)
+    _apply(gm, order.emitted)
+    return gm
+
+
+class _Order:
+    """The new node order, built by emitting nodes as they become needed or possible."""
+
+    def __init__(self, gm: fx.GraphModule, mesh_shape: tuple[int, ...], cap_bytes: int) -> None:
+        self.mesh_shape, self.cap_bytes = mesh_shape, cap_bytes
+        nodes = list(gm.graph.nodes)
+        self.waits = {n for n in nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), WaitModule)}
+        self.starts = [n for n in nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), StepModule)
+                       and any(u in self.waits for u in n.users)]
+        self.wait_of = {s: next(u for u in s.users if u in self.waits) for s in self.starts}
+        self.start_of = {w: s for s, w in self.wait_of.items()}
+        self.bytes = {s: inflight_bytes(gm.get_submodule(s.target).step, mesh_shape) for s in self.starts}
+        start_set = set(self.starts)
+        self.emitted: list[fx.Node] = [n for n in nodes if n.op == "placeholder"]
+        self.done = set(self.emitted)
+        self.output = next(n for n in nodes if n.op == "output")
+        self.body = [n for n in nodes if n.op not in ("placeholder", "output")
+                     and n not in start_set and n not in self.waits]
+        self.next_start = 0  # starts are issued in their original order
+        self.inflight: OrderedDict[fx.Node, int] = OrderedDict()
+        self.issue_ready_starts()
+
+    def require(self, node: fx.Node) -> None:
+        """Emit `node` after everything it needs."""
+        if node in self.done:
+            return
+        if node in self.waits:
+            self.require(self.start_of[node])
+        elif node in self.wait_of:
+            while self.starts[self.next_start] is not node:  # keep the starts' order
+                self.require(self.starts[self.next_start])
+            self._issue(node)
+            return
+        for dep in node.all_input_nodes:
+            self.require(dep)
+        self._emit(node)
+
+    def issue_ready_starts(self) -> None:
+        """Issue the next starts whose inputs exist, while the cap allows (step 1, 3)."""
+        while self.next_start < len(self.starts):
+            start = self.starts[self.next_start]
+            if not all(d in self.done for d in start.all_input_nodes):
+                return
+            if self.inflight and sum(self.inflight.values()) + self.bytes[start] > self.cap_bytes:
+                return
+            self._issue(start)
+
+    def _issue(self, start: fx.Node) -> None:
+        for dep in start.all_input_nodes:
+            self.require(dep)
+        while self.inflight and sum(self.inflight.values()) + self.bytes[start] > self.cap_bytes:
+            self.require(self.wait_of[next(iter(self.inflight))])  # retire the oldest (step 3)
+        self._emit(start)
+        self.next_start += 1
+        self.inflight[start] = self.bytes[start]
+
+    def _emit(self, node: fx.Node) -> None:
+        self.emitted.append(node)
+        self.done.add(node)
+        self.inflight.pop(self.start_of.get(node), None)
+
+
+def _apply(gm: fx.GraphModule, order: list[fx.Node]) -> None:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in order:
+        output.prepend(node)
+    gm.graph.lint()
+    gm.recompile()

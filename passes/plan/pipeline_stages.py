@@ -1,0 +1,160 @@
+"""Each stage of a pipelined plan as the ranks run it, and its own plan.
+
+    model + one microbatch of inputs + PipelinePlan
+        --torch's pipeline() split at the plan's block boundaries--> stage modules
+        --relay (pipeline_relay.py), one microbatch through the split graph--> StageSplit
+    StageSplit --each stage's module traced at its inputs, solved on the sub-mesh--> Plans
+
+The planner stores those plans in Plan.stage_plans (passes/pipeline.plan_model), so a
+saved pipelined plan is the whole contract: the runtime (runtime/stages.py) builds the
+same StageSplit from its own copy of the model, gives each stage its plan, and no rank
+solves. The split is deterministic (the model, the inputs and the block boundaries fix
+it), so the stage graphs a rank traces have the fingerprints the plans were made for.
+
+1. split_model: torch's pipeline() before each later stage's first block, the user's model
+   left as it was.
+2. split_stages: the stage modules (taken before relaying, which rewrites only the split
+   graph), the relays, and what each stage module is called with for one microbatch;
+   check_skips refuses what torch's schedules cannot run.
+3. stage_inputs, own_inputs: what a stage is called with, and what its program is traced
+   with (the first stage: the model's own inputs; a relaying stage: without the values it
+   only passes on).
+4. stage_plans: step 3's trace of every stage, planned on the sub-mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import pipelining as pp
+
+from autopar.core.options import Options
+from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, stage_mesh
+from autopar.core.plan import Plan
+from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
+from autopar.passes.plan.planning import plan_traced, trace_for_planning
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    pipe: Any  # torch's Pipe: split_gm, get_stage_module(k), info()
+    modules: tuple[nn.Module, ...]  # each stage's own module, in stage order
+    relays: dict[int, Relayed]  # stage -> the values it passes on
+    examples: tuple[tuple[tuple, dict], ...]  # per stage: what its module is called with (one microbatch)
+    values: dict[str, Any]  # every value the split graph passes, by node name
+
+
+def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, ...]) -> Any:
+    """Step 1: torch's pipeline() split before each module path in `points`. pipeline()
+    wraps the forward of those modules in place; they are unwrapped again, so the user's
+    model is left as it was (and can be split again)."""
+    split = {name: pp.SplitPoint.BEGINNING for name in points}
+    try:
+        return pp.pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split)
+    finally:
+        for name in points:
+            module = model.get_submodule(name)
+            for attr in ("forward", "_orig_forward"):
+                module.__dict__.pop(attr, None)
+
+
+def split_stages(model: nn.Module, mb_args: tuple, mb_kwargs: dict, pipeline: PipelinePlan,
+                 training: bool) -> StageSplit:
+    """Step 2, for one microbatch of inputs."""
+    pipe = split_model(model, mb_args, mb_kwargs, pipeline.split_points)
+    modules = tuple(pipe.get_stage_module(k) for k in range(len(pipeline.stages)))  # before relaying
+    interleaved = pipeline.schedule is Schedule.INTERLEAVED_1F1B
+    relays = relay_skips(pipe.split_gm, lambda val: interleaved or (training and val.is_floating_point()))
+    examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
+    check_skips(pipe, values, training, pipeline.schedule)
+    return StageSplit(pipe, modules, relays, tuple(examples), values)
+
+
+def stage_inputs(split: StageSplit, index: int, mb_args: tuple, mb_kwargs: dict) -> tuple[tuple, dict]:
+    """Step 3: what stage `index` is called with for one microbatch. Stage 0 is called as
+    the user calls the model (keywords stay keywords), with the keywords its module reads
+    (a later stage reads the labels; the loss takes the target apart)."""
+    if index:
+        return split.examples[index]
+    reads = {n.target for n in split.modules[0].graph.nodes if n.op == "placeholder"}
+    return mb_args, {k: v for k, v in mb_kwargs.items() if k in reads}
+
+
+def own_inputs(split: StageSplit, index: int, args: tuple) -> tuple:
+    """Of a stage's positional inputs, those its own program reads: not the values it only
+    relays (passed on after them)."""
+    relay = split.relays.get(index)
+    return args[: relay.inputs] if relay else args
+
+
+def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan, options: Options) -> tuple[Plan, ...]:
+    """Step 4: every stage's plan on the sub-mesh, in stage order."""
+    p = plan.pipeline
+    split = split_stages(model, mb_args, mb_kwargs, p, plan.training)
+    sub = stage_mesh(plan.mesh, p.axis)
+    opts = stage_options(options)
+    out = []
+    for stage in p.stages:
+        args, kwargs = stage_inputs(split, stage.index, mb_args, mb_kwargs)
+        traced = trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
+                                    options.param_dtype)
+        out.append(plan_traced(traced, sub, opts)[1])
+    return tuple(out)
+
+
+def stage_options(options: Options) -> Options:
+    """The options one stage is planned and run with: nothing more to pipeline."""
+    return replace(options, pipeline_axis=None, microbatches=1)
+
+
+class _StageInputs(torch.fx.Interpreter):
+    """Runs the split graph once, recording what each stage module is called with and
+    every value the graph passes between stages."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.calls: list[tuple[tuple, dict]] = []
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.values[n.name] = out = super().run_node(n)
+        return out
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        self.calls.append((tuple(args), dict(kwargs)))
+        return super().call_module(target, args, kwargs)
+
+
+def _stage_examples(pipe: Any, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], dict[str, Any]]:
+    """Per stage: (its positional inputs, its keyword inputs) for one microbatch, and every
+    value the split graph passed, by node name."""
+    placeholders = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
+    values = list(args) + [kwargs[name] for name in placeholders[len(args):]]
+    recorder = _StageInputs(pipe.split_gm)
+    with torch.no_grad():
+        recorder.run(*values)
+    return recorder.calls, recorder.values
+
+
+def check_skips(pipe: Any, values: dict[str, Any], training: bool, schedule: Schedule) -> None:
+    """A PipelineError for a value still read by more than one stage after relaying
+    (relaying passes on what the stages make; a model input read past the first stage is
+    not relayed) where torch cannot run it: a floating one in training (its gradient would
+    go back to several stages), any under the interleaved schedule (adjacent stages only)."""
+    for node in pipe.split_gm.graph.nodes:
+        readers = [u.name for u in node.users if u.op == "call_module"]
+        value = values.get(node.name)
+        if len(readers) < 2 or not isinstance(value, torch.Tensor):
+            continue
+        what = (f"value {node.name} (shape {tuple(value.shape)}, {value.dtype}) is read by {len(readers)} "
+                f"stages ({', '.join(readers)}); only values the stages make are relayed between them")
+        if schedule is Schedule.INTERLEAVED_1F1B:
+            raise PipelineError(f"{what}; torch's interleaved schedule passes values between adjacent stages only. "
+                                "Use pipeline_schedule='1f1b' or 'gpipe'")
+        if training and value.is_floating_point():
+            raise PipelineError(f"{what}; torch.distributed.pipelining cannot send its gradient back to more than "
+                                "one stage in training ('skip connections'). Compute what the later blocks need "
+                                "from it before the first block, or plan without pipeline_axis")

@@ -1,0 +1,122 @@
+"""Planning without processes: trace -> strategies -> costs -> solve."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from autopar import _compat
+from autopar.core.kinds import StepKind
+from autopar.core.links import AxisLink, LinkKind, link_overrides
+from autopar.core.mesh import Mesh
+from autopar.core.options import CostSource, Options
+from autopar.core.placement import Placement
+from autopar.core.plan import Plan
+from autopar.cost_models.model import CostModel
+from autopar.core.files import read_json
+from autopar.cost_models.profile import Profile, compute_key, program_key
+from autopar.passes.solve.solve import solve
+from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
+from autopar.passes.trace.trace import TracedGraph, trace
+
+
+def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
+                pinned: Optional[dict[str, tuple[Placement, ...]]] = None,
+                profile: Optional[Profile] = None) -> tuple[AnnotatedGraph, Plan]:
+    """Strategies, costs and the solve for a traced graph. `profile`: measured costs to
+    use (compute timings and calibrated links); without one, Options.cost_model names a
+    saved profile or "analytic"."""
+    graph = annotate(traced, mesh, pinned, options.discover_rules)
+    return graph, plan_annotated(graph, options, profile)
+
+
+def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Profile] = None) -> Plan:
+    """The solve for a graph whose strategies are known (the profiler times those
+    strategies' ops first, so it annotates once and plans from the same graph)."""
+    traced, mesh = graph.traced, graph.mesh
+    training = traced.training if options.training is None else options.training
+    costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
+    if profile is None and options.cost_model is CostSource.SAVED:
+        profile = load_profile(options.profile_path)
+    note = f"analytic preset {costs.device.name}"
+    if profile is not None:
+        missed: set[str] = set()  # the op shapes the profile has no timing for (priced analytically)
+        in_program = profile.program_factor.get(program_key(traced.fingerprint, mesh.shape, training), 1.0)
+        costs = replace(costs, compute_table=_noting_misses(profile, missed), backward_table=profile.backward_s,
+                        measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
+                        compute_scale=profile.cpu_contention * in_program,
+                        collective_sync_s=profile.collective_sync_s or 0.0)
+    plan = solve(graph, costs, options)
+    if profile is not None:
+        measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
+        note = (f"profile of {profile.device} (torch {profile.torch_version}): {len(missed)} op timings "
+                f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
+                + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
+                   else "")
+                + (f"; ops x{in_program:.3g} inside the rank program (measured)" if in_program != 1.0 else "")
+                + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
+                   if profile.collective_sync_s else ""))
+    return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
+
+
+def _noting_misses(profile: Profile, missed: set[str]) -> Any:
+    """The profile's compute lookup, adding each key it lacks to `missed`."""
+    def lookup(target: Any, inputs: tuple, outputs: tuple) -> Optional[float]:
+        value = profile.compute_s(target, inputs, outputs)
+        if value is None:
+            missed.add(compute_key(target, inputs, outputs))
+        return value
+    return lookup
+
+
+def axis_links(costs: CostModel, kinds: tuple[LinkKind, ...]) -> tuple[AxisLink, ...]:
+    """The link each mesh axis was priced with, for the Plan: the calibrated all-reduce
+    fit where the profile has one, else the preset's (or Options.links') link."""
+    return tuple(AxisLink(kind, costs.measured_links.get((axis, StepKind.ALL_REDUCE.value)) or costs.link(axis))
+                 for axis, kind in enumerate(kinds))
+
+
+def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),
+         options: Optional[Options] = None, **option_overrides: Any) -> Plan:
+    """Plan `model` for `mesh` offline (no process group): the Plan autopar.compile
+    would run. Keyword overrides go to Options (e.g. device="h100", training=True)."""
+    opts = options_with(options, option_overrides)
+    return plan_traced(trace_for_planning(model, args, kwargs, opts.param_dtype), Mesh.of(mesh), opts)[1]
+
+
+def trace_for_planning(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None,
+                       param_dtype: Optional[torch.dtype] = None) -> TracedGraph:
+    """Trace with example inputs; a model without weights (meta device) plans on shapes
+    alone, so its inputs move to meta too. `param_dtype`: Options.param_dtype."""
+    return trace(model, *planning_inputs(model, args, kwargs), param_dtype)
+
+
+def planning_inputs(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
+    """The (args, kwargs) trace_for_planning traces with: on meta for a model on meta."""
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = dict(kwargs or {})
+    if any(p.device.type == "meta" for p in model.parameters()):
+        args, kwargs = inputs_on_meta(args, kwargs)
+    return args, kwargs
+
+
+def inputs_on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, tree = _compat.tree_flatten((tuple(args), dict(kwargs)))
+    return _compat.tree_unflatten([x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves], tree)
+
+
+def options_with(options: Optional[Options], overrides: dict) -> Options:
+    """`options` (default Options()) with keyword overrides; a clear error for an unknown one."""
+    base = options or Options()
+    try:
+        return replace(base, **overrides)
+    except TypeError as e:
+        raise TypeError(f"unknown planning option: {e}; see autopar.Options for the fields") from None
+
+
+def load_profile(path: str) -> Profile:
+    """A saved cost profile (Options.cost_model "saved", its file Options.profile_path)."""
+    return Profile.from_dict(read_json(path, "profile", "delete it to measure again"), f"profile {path}")

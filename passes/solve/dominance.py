@@ -1,0 +1,290 @@
+"""Choices no optimal plan needs: dominance pruning of the ILP (passes/solve/ilp.py) before
+the solve, which gives the solver fewer s and far fewer x variables.
+
+    IlpModel -> IlpModel with c[g,i] = INF (s[g,i] fixed at 0) for every dominated i
+
+For choices j and i of group g (over all copies of g, which share s under clustering,
+and every edge e between groups that touches one; o(i) / r(i): i's class on e),
+
+    D(j,i) = sum_copies (c[g,j] - c[g,i])
+           + sum_e max_{r: R[e,o(i),r] < INF} (R[e,o(j),r] - R[e,o(i),r])   (g produces on e)
+           + sum_e max_{o: R[e,o,r(i)] < INF} (R[e,o,r(j)] - R[e,o,r(i)])   (g consumes on e)
+
+bounds what any plan that picks i gains by picking j instead, whatever the other ends
+pick (Goldstein's dominance for pairwise costs). j beats i when D(j,i) <= 0, j needs no
+more bytes when memory counts (under a budget, the only case the memory objective is
+solved), and j comes first in the order (potential, index), the potential being
+sum c + sum_e mean over the other end's classes of R: D(j,i) <= 0 implies j's potential
+is no larger, so the order loses no pruning of a strictly better j, and it makes
+"beats" acyclic. With recompute (passes/solve/recompute_ilp.py) a choice's forward seconds f
+and dropped bytes a price too: j must also have f(j) <= f(i), kept bytes m - a no larger
+(the bytes when its block recomputes), and on every edge into a block a forward price F
+no worse against any class the other end can pick (edge by edge, as each block's r
+takes its own edges). Why this keeps the optimum: D is subadditive (D(k,i) <= D(k,j) +
+D(j,i)), so a chain of beats ends at a surviving choice that beats the start; swapping
+groups one at a time to their surviving dominators never raises the cost (an edge
+between two copies of g changes on both ends and is bounded by both terms), so pruning
+every group at once is exact up to rounding. Rounds repeat on the survivors: fewer
+classes on the other end can make more choices dominated.
+
+R is the price the ILP uses: on a parameter's edge in training, R less what its
+gradient bucket hides under backward (passes/solve/ilp_overlap.py), so pruning stays exact.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import torch
+
+from autopar.cost_models.edge_prices import INF, EdgePricer
+from autopar.passes.solve.ilp import IlpModel, edge_classes, forward_prices
+
+MAX_CELLS = 1 << 24  # compare at most this many profile entries at once (a few tens of MB)
+
+
+def prune_dominated(model: IlpModel, pricer: EdgePricer, with_memory: bool,
+                    forward: Optional[EdgePricer] = None) -> IlpModel:
+    """`model` with its dominated choices made impossible (module docstring); `with_memory`:
+    a choice must also need no more bytes to dominate; `forward`: the forward-only pricer
+    of the recompute terms, where the model has blocks."""
+    with _one_thread():
+        extra = _recompute_terms(model, pricer, forward) if forward is not None and model.blocks else None
+        return _prune(model, pricer, with_memory, extra)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The comparisons are many small tensor ops: torch's intra-op threads only add
+    synchronisation, and on a loaded machine their spin-waits cost several times the
+    work (gemma3_text on (2, 4): 13 s of max() on 2 busy cores, 0.4 s on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prune(model: IlpModel, pricer: EdgePricer, with_memory: bool, extra: Optional["RecomputeTerms"]) -> IlpModel:
+    time_s, nbytes = _own_terms(model)
+    edges = _by_group(_edge_tables(model, pricer))
+    alive = {g: torch.tensor([c < INF for c in model.cost_s[g]]) for g in time_s}
+    neighbours = {g: {t.consumer if produces else t.producer for t, produces in touching}
+                  for g, touching in edges.items()}
+    todo = list(time_s)
+    while todo:
+        # a group's verdict depends on its neighbours' live choices only (losing its own
+        # beaten choices beats nothing new), so a round revisits the neighbours of the
+        # groups the last one pruned: the same fixed point as revisiting every group
+        pruned = {g: _beaten(g, time_s[g], nbytes[g] if with_memory else None, edges, alive, extra) for g in todo}
+        changed = {g for g, choices in pruned.items() if choices}
+        for g in changed:
+            alive[g][pruned[g]] = False
+        todo = [g for g in time_s if any(h in changed for h in neighbours.get(g, ()))]
+    cost = {g: tuple(c if alive[model.owner(g)][i] else INF for i, c in enumerate(cs))
+            for g, cs in model.cost_s.items()}
+    return replace(model, cost_s=cost)
+
+
+@dataclass(frozen=True)
+class EdgeTable:
+    """One distinct edge between groups: R over its classes, and each choice's class."""
+
+    producer: str  # the owner group on each end
+    consumer: str
+    src_class: torch.Tensor  # producer choice -> its src class (0 where impossible)
+    dst_class: torch.Tensor  # consumer choice -> its dst class
+    prices: torch.Tensor  # R[o, r] in seconds
+    copies: int = 1  # the edge and its twins: each adds R to the objective
+
+
+def _own_terms(model: IlpModel) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per owner group and choice: c and m summed over its copies (INF where impossible)."""
+    time_s: dict[str, torch.Tensor] = {}
+    nbytes: dict[str, torch.Tensor] = {}
+    for g in model.leaders:
+        o = model.owner(g)
+        c = torch.tensor(model.cost_s[g], dtype=torch.float64)
+        m = torch.tensor(model.nbytes[g], dtype=torch.float64)
+        time_s[o] = time_s[o] + c if o in time_s else c
+        nbytes[o] = nbytes[o] + m if o in nbytes else m
+    return time_s, nbytes
+
+
+def _edge_tables(model: IlpModel, pricer: EdgePricer) -> list[EdgeTable]:
+    """One table per distinct edge; twins (copies of one edge under clustering) share its
+    classes and prices but each adds its own term to the objective, so a table counts
+    as many times as it has twins."""
+    tables: dict[tuple, EdgeTable] = {}
+    copies: dict[tuple, int] = {}
+    for edge in model.edges:
+        key = edge.twin_key(model.rep)
+        copies[key] = copies.get(key, 0) + 1
+        if key in tables:
+            continue
+        src, dst = edge_classes(edge, model, pricer)
+        u, v = model.owner(model.groups[edge.producer].leader), model.owner(model.groups[edge.consumer.name].leader)
+        tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
+                                torch.tensor([[pricer.price_between(o, r, edge.share_s) for r in dst] for o in src],
+                                             dtype=torch.float64))
+    return [replace(t, copies=copies[key]) for key, t in tables.items()]
+
+
+def _class_of(classes: dict, n: int) -> torch.Tensor:
+    out = [0] * n
+    for k, choices in enumerate(classes.values()):
+        for i in choices:
+            out[i] = k
+    return torch.tensor(out, dtype=torch.long)
+
+
+Touching = dict[str, list[tuple[EdgeTable, bool]]]  # group -> (table, g produces on it), in table order
+
+
+def _by_group(tables: list[EdgeTable]) -> Touching:
+    out: Touching = {}
+    for t in tables:
+        out.setdefault(t.producer, []).append((t, True))
+        out.setdefault(t.consumer, []).append((t, False))
+    return out
+
+
+def _blocks(g: str, edges: Touching, alive: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Per edge touching g: each of g's live choices' row (or column) of R against the
+    classes the other end can still pick, with the edge's number of copies."""
+    out = []
+    for t, produces in edges.get(g, ()):
+        if produces:
+            live = torch.zeros(t.prices.shape[1], dtype=torch.bool)
+            live[t.dst_class[alive[t.consumer]]] = True
+            out.append((t.prices[t.src_class[alive[g]]][:, live], t.copies))
+        else:
+            live = torch.zeros(t.prices.shape[0], dtype=torch.bool)
+            live[t.src_class[alive[t.producer]]] = True
+            out.append((t.prices.T[t.dst_class[alive[g]]][:, live], t.copies))
+    return [(b, k) for b, k in out if b.shape[1]]
+
+
+def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
+            alive: dict[str, torch.Tensor], extra: Optional["RecomputeTerms"] = None) -> list[int]:
+    """g's live choices that another live choice beats (module docstring)."""
+    live = alive[g].nonzero().flatten()
+    n = len(live)
+    if n < 2:
+        return []
+    blocks = _blocks(g, edges, alive)
+    c = time_s[live]
+    gain = c[:, None] - c[None, :]  # [j, i]
+    potential = c + sum((k * b.mean(1) for b, k in blocks), torch.zeros(n, dtype=torch.float64))
+    for b, k in blocks:
+        gain += k * _worst_difference(b)
+    index = torch.arange(n)
+    first = (potential[:, None] < potential[None, :]) | (
+        (potential[:, None] == potential[None, :]) & (index[:, None] < index[None, :]))
+    beats = (gain <= 0) & first
+    if nbytes is not None:
+        m = nbytes[live]
+        beats &= m[:, None] <= m[None, :]
+    if extra is not None:
+        beats &= extra.no_worse(g, live, nbytes, alive)
+    return live[beats.any(0)].tolist()
+
+
+@dataclass(frozen=True)
+class RecomputeTerms:
+    """What recompute prices per owner group and choice, over its copies: forward
+    seconds f and dropped bytes a; and the forward price F of the edges into blocks."""
+
+    forward_s: dict[str, torch.Tensor]
+    dropped: dict[str, torch.Tensor]
+    edges: Touching
+
+    def no_worse(self, g: str, live: torch.Tensor, nbytes, alive: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[j, i]: j prices no more than i in every recompute term (module docstring)."""
+        ok = torch.ones(len(live), len(live), dtype=torch.bool)
+        if g in self.forward_s:
+            f = self.forward_s[g][live]
+            ok &= f[:, None] <= f[None, :]
+        if g in self.dropped and nbytes is not None:
+            kept = nbytes[live] - self.dropped[g][live]
+            ok &= kept[:, None] <= kept[None, :]
+        for b, _ in _blocks(g, self.edges, alive):
+            ok &= _worst_difference(b) <= 0
+        return ok
+
+
+def _recompute_terms(model: IlpModel, pricer: EdgePricer, forward: EdgePricer) -> RecomputeTerms:
+    forward_s: dict[str, torch.Tensor] = {}
+    dropped: dict[str, torch.Tensor] = {}
+    for block in model.blocks:
+        for per_group, out in ((block.forward_s, forward_s), (block.dropped, dropped)):
+            for g, values in per_group.items():
+                o, v = model.owner(g), torch.tensor(values, dtype=torch.float64)
+                out[o] = out[o] + v if o in out else v
+    tables: dict[tuple, EdgeTable] = {}
+    for k in sorted({k for block in model.blocks for k in block.edges}):
+        edge = model.edges[k]
+        key = edge.twin_key(model.rep)
+        if key not in tables:
+            src, dst = edge_classes(edge, model, pricer)
+            u, v = model.owner(model.groups[edge.producer].leader), model.owner(model.groups[edge.consumer.name].leader)
+            tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
+                                    torch.tensor(forward_prices(edge, model, src, dst, forward), dtype=torch.float64))
+    return RecomputeTerms(forward_s, dropped, _by_group(list(tables.values())))
+
+
+def _worst_difference(b: torch.Tensor) -> torch.Tensor:
+    """[j, i] -> max over the columns r that i can meet of b[j, r] - b[i, r]."""
+    n, width = b.shape
+    out = torch.empty(n, n, dtype=torch.float64)
+    step = max(1, MAX_CELLS // max(1, n * width))
+    reachable = b < INF
+    for lo in range(0, n, step):  # j in [lo, lo + step) against every i
+        diff = b[lo:lo + step, None, :] - b[None, :, :]
+        diff = torch.where(reachable[None, :, :], diff, -INF)
+        out[lo:lo + step] = diff.max(-1).values
+    return out
+
+
+# ---- after the solve: among equally fast choices, the smaller footprint -------------
+
+def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer,
+                   keep: frozenset[str] = frozenset()) -> dict[str, int]:
+    """`picks` with each group, in turn, moved to the choice with the fewest bytes among
+    those that cost no more time against its neighbours' picks (each move keeps the
+    plan's time and lowers its footprint). Under a budget the solver sees memory only as
+    a constraint, so which of two equally fast layouts it returns is arbitrary; this
+    makes it the smaller one. Groups in `keep` (as prune_dominated's) stay as picked."""
+    picks = dict(picks)
+    touching: dict[str, list] = {}
+    for edge in model.edges:
+        for end in (edge.producer, edge.consumer.name):
+            touching.setdefault(model.owner(model.groups[end].leader), []).append(edge)
+    copies: dict[str, list[str]] = {}
+    for g in model.leaders:
+        copies.setdefault(model.owner(g), []).append(g)
+    for g, mine in copies.items():
+        if g in keep:
+            continue
+        edges = list({id(e): e for e in touching.get(g, ())}.values())  # an edge between two copies once
+        def local(i: int) -> tuple[float, int]:
+            picks.update({h: i for h in mine})  # a trial, undone below unless it wins
+            time_s = sum(model.cost_s[h][i] for h in mine) + sum(_edge_s(e, model, picks, pricer) for e in edges)
+            return time_s, sum(model.nbytes[h][i] for h in mine)
+        now = picks[g]
+        now_s, now_bytes = local(now)
+        options = [(nbytes, i) for i, c in enumerate(model.cost_s[g]) if c < INF
+                   for time_s, nbytes in [local(i)] if time_s <= now_s and nbytes < now_bytes]
+        best = min(options)[1] if options else now
+        picks.update({h: best for h in mine})
+    return picks
+
+
+def _edge_s(edge, model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> float:
+    """R of `edge` under `picks` (less what its bucket hides, as the ILP prices it)."""
+    mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
+    src = model.graph.node(edge.producer).strategies[mu.index_map[picks[mu.leader]]].outputs[edge.output]
+    return pricer.price_s(src, edge.consumer.strategies[mv.index_map[picks[mv.leader]]], edge.position, edge.share_s)

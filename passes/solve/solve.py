@@ -1,0 +1,327 @@
+"""Stage 4: choose one strategy per node with an integer linear program.
+
+    AnnotatedGraph + CostModel + Options -> Plan
+
+1. price every node's strategies: compute seconds and bytes per rank
+   (EdgePricer prices reshards on demand);
+2. group the nodes: followers join their leader's group; repeated blocks share
+   variables (clustering);
+3. drop the choices no optimal plan needs (passes/solve/dominance.py: exact pruning), build
+   the ILP over the groups (passes/solve/ilp.py, whose docstring states the model: one
+   function per constraint family) and solve it for the least time within the memory
+   budget; when no plan fits, solve it again for the least memory to report;
+4. read the leaders' choices back into a Plan (under a budget, each group moved to the
+   smallest of its equally fast choices), with the blocks it recomputes.
+
+Recompute (passes/solve/recompute_ilp.py): in training under a budget, each repeated block
+(passes/clusters.find_blocks) may drop its inner activations and run its forward again
+in backward; the ILP weighs that against sharding parameters further. Without a budget
+recompute only costs time, so the ILP is built without it, exactly as before.
+
+Followers (Options.follow): a single-input op follows its producer, taking for each
+producer choice its cheapest strategy; getitem follows its tuple; a placeholder used
+once follows its consumer and is stored in the layout the consumer reads.
+
+Clustering (Options.cluster_layers, passes/strategies/clusters.py): the groups of a repeated block
+reuse the s variables of their twin in the first such block, and an edge whose two ends
+have the same representatives as an earlier edge reuses its x variables; every copy
+still adds its own cost terms, so the objective prices each block and each boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from autopar.core.errors import MemoryBudgetError, SolverError
+from autopar.core.kinds import NodeKind
+from autopar.core.options import Clustering, Options
+from autopar.core.plan import Plan
+from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
+from autopar.core.placement import Spec
+from autopar.cost_models.memory import node_bytes
+from autopar.cost_models.evaluate import recompute_terms
+from autopar.cost_models.model import CostModel
+from autopar.cost_models.overlap import plan_hidden_s
+from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks
+from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
+from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
+                                memory_objective, time_objective)
+from autopar.passes.solve.ilp_overlap import least_backward, parameter_shares
+from autopar.passes.solve.recompute_ilp import block_terms
+from autopar.passes.trace.saved import saved_outputs
+from autopar.passes.rules import Strategy
+from autopar.passes.solve.solver_backend import Solution, SolveStatus, solve_program, solver_name
+from autopar.passes.strategies.strategies import AnnotatedGraph, PlannedNode
+
+
+# ---- 1. prices ---------------------------------------------------------------------
+
+def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]]:
+    out = {}
+    for n in graph.nodes:
+        if n.call is None:
+            out[n.name] = [0.0] * len(n.strategies)
+        else:
+            out[n.name] = [costs.op_cost(n.call.target, s.inputs, s.outputs).compute_s for s in n.strategies]
+    return out
+
+
+def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
+    """Bytes per rank of every node's strategies; in training an op counts the outputs
+    autograd keeps for backward (passes/trace/saved.py)."""
+    kept = _kept(graph, costs)
+    return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
+                                costs.training, options.optimizer_state_bytes, kept.get(n.name, ()))
+                     for s in n.strategies]
+            for n in graph.nodes}
+
+
+def _kept(graph: AnnotatedGraph, costs: CostModel) -> dict[str, tuple[bool, ...]]:
+    return saved_outputs(graph.traced) if costs.training else {}
+
+
+# ---- 2. groups ---------------------------------------------------------------------
+
+def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, follow: bool, store_as_read: bool = True,
+                 block_of: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, Member]:
+    """`block_of` (node -> repeated block): groups never span two blocks, so identical
+    blocks have identical groups and can share variables (passes/strategies/clusters.py)."""
+    block_of = block_of or {}
+    groups: dict[str, Member] = {}
+    for n in graph.nodes:
+        groups[n.name] = _forward_member(n, graph, groups, follow, block_of, pricer)
+    if follow and store_as_read:
+        uses: dict[str, list[tuple[str, int]]] = {}
+        for n in graph.nodes:
+            for pos, (u, _) in enumerate(n.inputs):
+                uses.setdefault(u, []).append((n.name, pos))
+        for n in graph.nodes:
+            if n.kind.is_input and len(n.strategies) > 1 and len(uses.get(n.name, ())) == 1:
+                consumer = uses[n.name][0][0]
+                if block_of.get(consumer) == block_of.get(n.name):
+                    groups[n.name] = _backward_member(n, *uses[n.name][0], graph, groups, pricer)
+    return groups
+
+
+def _identity(n: PlannedNode) -> Member:
+    return Member(n.name, tuple(range(len(n.strategies))))
+
+
+def _by_spec(specs: list[Spec], pricer: EdgePricer) -> dict[int, list[int]]:
+    """Numbered spec -> the indices in `specs` of the specs equal to it."""
+    out: dict[int, list[int]] = {}
+    for j, spec in enumerate(specs):
+        out.setdefault(pricer.spec_id(spec), []).append(j)
+    return out
+
+
+def _forward_member(n: PlannedNode, graph: AnnotatedGraph, groups: dict[str, Member], follow: bool,
+                    block_of: dict[str, tuple[str, int]], pricer: EdgePricer) -> Member:
+    """A single-input op whose layout is fixed by its producer's (exactly one strategy
+    reads the producer's output as it is, for every producer choice) joins its group."""
+    is_getitem = n.kind is NodeKind.GETITEM
+    if not (is_getitem or (follow and len(n.inputs) == 1 and n.call is not None)):
+        return _identity(n)
+    u, k = n.inputs[0]
+    producer = graph.node(u)
+    if producer.kind.is_input and not is_getitem:
+        return _identity(n)
+    if block_of.get(u) != block_of.get(n.name):
+        return _identity(n)
+    lead = groups[u]
+    reading = _by_spec([s.inputs[0] for s in n.strategies], pricer)
+    index = []
+    for pi in lead.index_map:
+        if pi < 0:
+            index.append(-1)
+            continue
+        exact = reading.get(pricer.spec_id(producer.strategies[pi].outputs[k]), [])
+        if is_getitem and exact:
+            index.append(exact[0])
+        elif len(exact) == 1:
+            index.append(exact[0])
+        else:
+            # the layout this op produces is a real choice here (or needs a reshard):
+            # leave it to the ILP rather than guess greedily
+            return _identity(n)
+    return Member(lead.leader, tuple(index))
+
+
+def _backward_member(p: PlannedNode, consumer: str, position: int, graph: AnnotatedGraph,
+                     groups: dict[str, Member], pricer: EdgePricer) -> Member:
+    v = graph.node(consumer)
+    lead = groups[consumer]
+    stored = _by_spec([s.outputs[0] for s in p.strategies], pricer)
+    index = []
+    for vi in lead.index_map:
+        if vi < 0:
+            index.append(-1)
+            continue
+        exact = stored.get(pricer.spec_id(v.strategies[vi].inputs[position]), [])
+        if exact:  # stored as read: no reshard, and the least memory
+            index.append(exact[0])
+            continue
+        costs = [pricer.cost_s(s.outputs[0], v.strategies[vi], position) for s in p.strategies]
+        best = min(costs)
+        index.append(costs.index(best) if best < INF else -1)
+    return Member(lead.leader, tuple(index))
+
+
+# ---- 3. solve ---------------------------------------------------------------------
+
+def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
+    """The fastest plan within Options.memory_budget_bytes (MemoryBudgetError when none fits)."""
+    # 1. price every node's strategies
+    pricer = EdgePricer(costs)
+    memory = node_memory(graph, costs, options)
+    # 2. groups, and the variables repeated blocks share
+    groups, blocks = _groups_and_blocks(graph, pricer, options)
+    budget = options.memory_budget_bytes
+    compute = node_costs(graph, costs)
+    forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
+    # gradient buckets hide under backward: each parameter edge's share of it (ilp_overlap.py)
+    least = least_backward(graph, compute, forward_s) if costs.training else None
+    shares = parameter_shares(graph, least) if least is not None else {}
+    model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep, shares)
+    forward = None
+    if budget is not None and costs.training:  # recompute can pay: the blocks and their terms
+        forward = EdgePricer(replace(costs, training=False))
+        model = replace(model, blocks=block_terms(model, find_blocks(graph), forward, forward_s, memory))
+    keep = _recompute_groups(model)
+    with_recompute = {"forward": forward} if model.blocks else {}  # prunes with forward prices only where blocks may recompute
+    model = prune_dominated(model, pricer, with_memory=budget is not None, **with_recompute)
+    # 3. the least time within the budget
+    ilp = build_ilp(model, pricer, time_objective, budget, forward)
+    name = solver_name(options)
+    solution = solve_program(ilp.program, options)
+    if solution.status is SolveStatus.INFEASIBLE and budget is not None:
+        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
+    # 4. read the choice back
+    picks = _picks(ilp, solution, name)
+    if budget is not None:  # memory counts: of equally fast layouts, the smaller
+        picks = prefer_smaller(model, picks, pricer, keep)
+    status = solution.status.value
+    if solution.status is not SolveStatus.OPTIMAL:
+        status = f"{status} (time limit {options.time_limit_s} s)"
+    report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
+                          ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks)
+    return read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
+                     _recomputed(model, ilp, solution), least)
+
+
+def _recompute_groups(model: IlpModel) -> frozenset[str]:
+    """The owner groups whose choices price recompute terms (a, f, or F on an edge into a
+    block): prefer_smaller, which weighs only c, R and m, leaves them alone."""
+    out = set()
+    for block in model.blocks:
+        out.update(model.owner(g) for g in block.dropped)
+        for k in block.edges:
+            edge = model.edges[k]
+            out.update(model.owner(model.groups[end].leader) for end in (edge.producer, edge.consumer.name))
+    return frozenset(out)
+
+
+def _recomputed(model: IlpModel, ilp: Ilp, solution: Solution) -> tuple[RecomputedBlock, ...]:
+    return tuple(RecomputedBlock(block.name, block.nodes)
+                 for block, r in zip(model.blocks, ilp.variables.recompute.recomputed) if solution.values[r] > 0.5)
+
+
+def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Options
+                       ) -> tuple[dict[str, Member], Blocks]:
+    # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
+    # does not simply take the layout its consumer reads
+    store_as_read = options.memory_budget_bytes is None
+    mode = options.cluster_layers
+    block_of = find_blocks(graph) if mode is not Clustering.OFF else {}
+    groups = build_groups(graph, pricer, options.follow, store_as_read, block_of)
+    blocks = cluster(graph, block_of, groups, mode)
+    if block_of and not blocks.shared_blocks:  # nothing to share: keep followers free to cross blocks
+        groups = build_groups(graph, pricer, options.follow, store_as_read)
+    return groups, blocks
+
+
+def _smallest_footprint(model: IlpModel, pricer: EdgePricer, memory: dict[str, list[int]],
+                        options: Options, forward: Optional[EdgePricer] = None) -> int:
+    """The fewest bytes per rank any plan needs: the optimum of the memory objective
+    (with every block recomputed that drops bytes so)."""
+    ilp = build_ilp(model, pricer, memory_objective, forward=forward)
+    solution = solve_program(ilp.program, options)
+    picks = _picks(ilp, solution, "memory")
+    member = model.groups
+    total = sum(memory[n.name][member[n.name].index_map[picks[member[n.name].leader]]] for n in model.graph.nodes)
+    recomputed = {b.name for b in _recomputed(model, ilp, solution)}
+    return total - sum(a[picks[g]] for b in model.blocks if b.name in recomputed for g, a in b.dropped.items())
+
+
+def _picks(ilp: Ilp, solution: Solution, name: str) -> dict[str, int]:
+    picks = {}
+    for leader, vars_ in ilp.variables.s.items():
+        vals = [solution.values[v] if v is not None else 0.0 for v in vars_]
+        best = max(range(len(vals)), key=lambda i: vals[i])
+        if vals[best] < 0.5:
+            raise SolverError(f"the {name} solver returned {solution.status.value} without a choice for node "
+                              f"{leader} after {solution.seconds:.1f} s; raise Options.time_limit_s or set "
+                              "Options.follow=True")
+        picks[leader] = best
+    return picks
+
+
+# ---- 4. read back -----------------------------------------------------------------
+
+def _alternative(n: PlannedNode, alt: Strategy, compute_s: float, chosen: dict[str, Strategy],
+                 consumers: dict[str, list[tuple[PlannedNode, int, int]]], pricer: EdgePricer) -> Alternative:
+    into = sum(pricer.cost_s(chosen[u].outputs[k], alt, pos) for pos, (u, k) in enumerate(n.inputs))
+    out_of = sum(pricer.cost_s(alt.outputs[k], chosen[v.name], pos) for v, pos, k in consumers.get(n.name, ()))
+    return Alternative(alt.inputs, alt.outputs, compute_s, into, out_of)
+
+
+def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
+              costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
+              compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = (),
+              least: Optional[Sequence[float]] = None) -> Plan:
+    """`compute`: node_costs(graph, costs), when the caller has it; `recompute`: the
+    blocks recomputed in backward (their forward again, their inner bytes not kept);
+    `least`: in training, the ILP's least backward per node (ilp_overlap.least_backward),
+    which the plan's hidden seconds are counted from as the objective counted them."""
+    compute = compute or node_costs(graph, costs)
+    chosen: dict[str, Strategy] = {}
+    for n in graph.nodes:
+        m = groups[n.name]
+        chosen[n.name] = n.strategies[m.index_map[picks[m.leader]]]
+    nodes, edges = [], []
+    compute_total = comm_total = 0.0
+    param_bytes = act_bytes = state_bytes = 0
+    mesh = graph.mesh.shape
+    consumers: dict[str, list[tuple[PlannedNode, int, int]]] = {}
+    for n in graph.nodes:
+        for pos, (u, k) in enumerate(n.inputs):
+            consumers.setdefault(u, []).append((n, pos, k))
+    kept = _kept(graph, costs)
+    for n in graph.nodes:
+        s = chosen[n.name]
+        c = compute[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
+        compute_total += c
+        options = tuple(_alternative(n, alt, compute[n.name][i], chosen, consumers, pricer)
+                        for i, alt in enumerate(n.strategies))
+        nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
+                                groups[n.name].leader, n.kind, kept.get(n.name, ())))
+        nbytes = memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
+        if n.kind.is_state or n.kind is NodeKind.CONSTANT:
+            param_bytes += s.outputs[0].local_nbytes(mesh)
+            state_bytes += nbytes - s.outputs[0].local_nbytes(mesh)
+        else:
+            act_bytes += nbytes
+        for pos, (u, k) in enumerate(n.inputs):
+            steps = pricer.steps(chosen[u].outputs[k], s, pos)
+            assert steps is not None, f"solver picked an unreachable reshard {u} -> {n.name}"
+            comm = costs.steps_cost(steps).total_s
+            comm_total += comm
+            edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
+    again = recompute_terms(nodes, edges, recompute, costs)
+    hidden = plan_hidden_s(nodes, edges, costs, least) if least is not None else 0.0
+    return Plan(mesh=graph.mesh, model_name=graph.traced.model_name, fingerprint=graph.traced.fingerprint,
+                training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
+                compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
+                activation_bytes=act_bytes + again.memory_bytes, solver=report, unruled_ops=graph.unruled_ops,
+                state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden)

@@ -1,0 +1,1 @@
+"""Stage 1: the model as a canonical, functional graph (torch.export), with what each op saves for backward."""
