@@ -11,7 +11,7 @@ import torch
 from autopar.core.placement import Partial, Replicate, Shard, TensorMeta
 from autopar.passes.strategies import discovery
 from autopar.passes.rules import expand, rule_for
-from autopar.passes.rules.simulate import op_call_of, run_sharded
+from autopar.passes.rules.blockwise import op_call_of, run_sharded
 
 aten = torch.ops.aten
 

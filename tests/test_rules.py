@@ -1,5 +1,5 @@
 """Rule tests: strategy counts, and every strategy of every rule reproduces the op's
-single-device output when run shard by shard (passes/rules/simulate.py) on (2, 2) and (1, 4)."""
+single-device output when run shard by shard (passes/rules/blockwise.py) on (2, 2) and (1, 4)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from autopar.core.placement import P, Partial, R, Shard
 from autopar.passes.rules import expand, rule_for
-from autopar.passes.rules.simulate import op_call_of, run_sharded
+from autopar.passes.rules.blockwise import op_call_of, run_sharded
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(0)

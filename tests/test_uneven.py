@@ -35,7 +35,7 @@ from autopar.core.placement import (Partial, R, Shard, Spec, TensorMeta, block_i
                                    no_empty_block, parse_placements)
 from autopar.passes.plan.planning import plan_annotated
 from autopar.passes.rules import expand, rule_for
-from autopar.passes.rules.simulate import op_call_of, run_sharded
+from autopar.passes.rules.blockwise import op_call_of, run_sharded
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace.trace import trace
 from autopar.tools import zoo

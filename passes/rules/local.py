@@ -12,7 +12,7 @@ do not:
                          here; ids outside look up nothing and give zeros, so the ranks'
                          outputs sum to the full lookup (the rule's output is P)
 
-The rewrite (passes/lower/rewrite.py), the simulator (passes/rules/simulate.py), rule discovery and
+The rewrite (passes/lower/rewrite.py), the block-by-block runner (passes/rules/blockwise.py), rule discovery and
 the runtime's measurements all run ops through localize_call, so a rank, the simulator
 and the solver's timings run the same local form.
 """

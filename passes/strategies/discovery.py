@@ -10,7 +10,7 @@ For an op at its traced shapes and arguments:
    input layouts at most, the partial sums always among them); for each, every output
    layout R, S(d), P(sum).
 2. Test: random inputs at the traced shapes; the op runs shard by shard on a simulated
-   axis (passes/rules/simulate.py: the same block cutting and shape-argument localisation the
+   axis (passes/rules/blockwise.py: the same block cutting and shape-argument localisation the
    runtime uses) and the outputs are reassembled under the candidate output layout. A
    candidate holds when the result equals the unsharded op's on two independent draws
    and on 2 and (where it divides) 4 shards: exactly for integer and boolean outputs, to
@@ -42,7 +42,7 @@ from autopar import _compat
 from autopar.core.placement import P, Placement, R, Shard, Spec, TensorMeta
 from autopar.passes.rules import AxisRule, OpCall, Strategy, TensorArg
 from autopar.passes.rules.local import SIZE_ARG_OPS
-from autopar.passes.rules.simulate import assemble, run_blocks
+from autopar.passes.rules.blockwise import assemble, run_blocks
 
 DISCOVERY_MAX_ELEMENTS = 1 << 20  # per call, summed over inputs and outputs
 MAX_INPUT_PATTERNS = 64  # input layouts tried per op, over all candidates
