@@ -2,7 +2,7 @@
 
 Each message names the culprit (op, node with its source line, tensor, file) and the fix.
 Every type pickles with its fields, so an error raised while rank 0 plans reaches the
-other ranks as the same type (autopar/runtime/planner.py).
+other ranks as the same type (autopar/runtime/agree.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,22 @@
-"""ParallelModule: runs the per-rank program on the mesh's process groups.
+"""ParallelModule: the one executor; it runs any Plan on this rank.
 
 Every rank passes the same full inputs; each takes its own block locally (no
 communication), runs its program, and gets full outputs back. Parameters live as
 this rank's shards (nn.Parameters under `.shards`), so optimisers work unchanged.
 Without example inputs the model is traced and planned at the first call, and again
 for every new input signature (shapes, dtypes, non-tensor values); later plans keep
-the parameter layouts of the first, so the shards stay valid across signatures.
+the parameter layouts of the first, so the shards stay valid across signatures. A
+pipelined plan runs as this rank's stages instead (stages.py); pm.step(...) trains one
+step of either (step.py).
 
 A coordinator over small parts: groups.py (process groups per mesh axis), shipping.py
 (rank 0 traces, the others rebuild its graph), call_agreement.py (every call's inputs
-the same on every rank before any collective), planner.py (rank 0 plans, every rank
-agrees), shards.py (this rank's parameters), measure.py (the profiling cost model),
-buckets.py (data-parallel gradient all-reduce), state.py (clipping, state dicts,
-checkpoints) and passes/lower/emit.py (the program, its inputs, and the blocks of the
-buffers it writes, which shards.store_buffers keeps after each call).
+the same on every rank before any collective), agree.py (rank 0 plans, every rank
+agrees), programs.py (the one signature -> program cache), shards.py (this rank's
+parameters), measure.py and measured_plan.py (the profiling cost model), buckets.py
+(data-parallel gradient all-reduce), state.py and checkpoint_view.py (clipping, state
+dicts, checkpoints) and passes/lower/emit.py (the program, its inputs, and the blocks
+of the buffers it writes, which shards.store_buffers keeps after each call).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from autopar.runtime.groups import MeshGroups, mesh_groups
 from autopar.runtime.checkpoint_view import CheckpointView, ShardView
 from autopar.runtime.measure import default_profile_path, profile_for_mesh
 from autopar.runtime.measured_plan import measured_plan
-from autopar.runtime.planner import agreed_plan, attempt
+from autopar.runtime.agree import agreed_plan, attempt
 from autopar.runtime.shipping import Inputs, shared_trace
 from autopar.runtime.step import Stages, one_program_step
 from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers

@@ -45,7 +45,7 @@ from autopar.core.errors import FingerprintMismatchError
 from autopar.passes.plan.planning import planning_inputs
 from autopar.passes.trace.program_bytes import load_program, program_bytes
 from autopar.passes.trace.trace import Leaf, TracedGraph, export_program, flatten_inputs, trace, traced_program
-from autopar.runtime.planner import attempt, from_rank, sendable
+from autopar.runtime.agree import attempt, from_rank, sendable
 
 Traced = tuple[Optional[TracedGraph], Optional[Exception]]
 

@@ -62,7 +62,7 @@ from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_state import (PipelineCheckpoint, gather_pipeline_state, load_pipeline_state, name_table,
                                             original_name, read_names)
-from autopar.runtime.planner import agreed
+from autopar.runtime.agree import agreed
 from autopar.runtime.state import gather_full
 
 SCHEDULES = {Schedule.GPIPE: pp.ScheduleGPipe, Schedule.ONE_F_ONE_B: pp.Schedule1F1B,
