@@ -1,9 +1,9 @@
 """The kinds of things a plan talks about, as enums rather than strings to parse.
 
-Both are `str` enums: their values are what plan files store, so a saved plan reads
-the same as before, and `StepKind("all_gather")` is how a file's text comes back. They
-hash like their values (an Enum hashes its member name otherwise), so a member and its
-text are one dictionary key, as they are equal.
+They are `str` enums (TextEnum, also the base of the options' modes and the pipeline
+schedule): their values are what plan files store, and `StepKind("all_gather")` is how a
+file's text comes back. They hash like their values (an Enum hashes its member name
+otherwise), so a member and its text are one dictionary key, as they are equal.
 """
 
 from __future__ import annotations
@@ -11,7 +11,17 @@ from __future__ import annotations
 from enum import Enum
 
 
-class NodeKind(str, Enum):
+class TextEnum(str, Enum):
+    """A `str` enum shown and hashed as its value (the base of every mode and kind)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+class NodeKind(TextEnum):
     """What a node of the traced graph is. The first four are graph inputs."""
 
     PARAMETER = "parameter"
@@ -36,17 +46,11 @@ class NodeKind(str, Enum):
         """Nodes that run an operator (and so cost compute and have strategies to price)."""
         return self is NodeKind.OP
 
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:
-        return hash(self.value)
-
 
 _INPUTS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.USER_INPUT})
 
 
-class StepKind(str, Enum):
+class StepKind(TextEnum):
     """One move of a reshard step on one mesh axis, forward or backward (autopar/core/resharding.py)."""
 
     IDENTITY = "identity"
@@ -62,12 +66,6 @@ class StepKind(str, Enum):
     def communicates(self) -> bool:
         """Moves bytes between ranks (slice, to_partial, grad_sync's forward and identity do not)."""
         return self in _COMMUNICATING
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:
-        return hash(self.value)
 
 
 _COMMUNICATING = frozenset({StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER, StepKind.ALL_TO_ALL})

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, fields
-from enum import Enum
 from typing import Any, Optional
 
 import torch
 
 from autopar.core.dynamic import Dynamic
 from autopar.core.errors import OptionsError
+from autopar.core.kinds import TextEnum
 from autopar.core.pipeline import PipelineAxis, PipelineError, Schedule
 from autopar.core.links import link_overrides
 
@@ -28,17 +28,7 @@ GRADIENT_BUCKET_BYTES = 25 * 2**20
 INFLIGHT_CAP_BYTES = 256 * 2**20
 
 
-class _Mode(str, Enum):
-    """A mode named by its value (as autopar.Schedule is)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # str's hash differs between runs; the value's tuple does not
-        return hash((type(self).__name__, self.value))
-
-
-class CostSource(_Mode):
+class CostSource(TextEnum):
     """Where prices come from."""
 
     ANALYTIC = "analytic"  # roofline compute and alpha-beta links of the device preset
@@ -46,7 +36,7 @@ class CostSource(_Mode):
     SAVED = "saved"  # a profile read from profile_path, nothing measured (plan for hardware you do not have)
 
 
-class Clustering(_Mode):
+class Clustering(TextEnum):
     """Which identical repeated blocks share one set of ILP variables (passes/strategies/clusters.py)."""
 
     INNER = "inner"  # all but the first and last layer of a stack
@@ -54,7 +44,7 @@ class Clustering(_Mode):
     OFF = "off"
 
 
-class SolverChoice(_Mode):
+class SolverChoice(TextEnum):
     AUTO = "auto"  # HiGHS when highspy is installed, else CBC
     HIGHS = "highs"
     CBC = "cbc"
@@ -169,7 +159,7 @@ class Options:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
         cost = self.cost_model
-        if not isinstance(cost, CostSource) and isinstance(cost, str) and cost not in [m.value for m in CostSource]:
+        if isinstance(cost, str) and cost not in {m.value for m in CostSource}:
             # a path: the older spelling
             if self.profile_path is not None:
                 raise OptionsError(f"Options.cost_model={cost!r} is neither a cost source nor usable as a profile "

@@ -17,10 +17,10 @@ calls pipeline_to_json / pipeline_from_json for its optional "pipeline" key).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from autopar.core.errors import MemoryBudgetError, OptionsError, SolverError
+from autopar.core.kinds import TextEnum
 from autopar.core.mesh import Mesh
 
 
@@ -49,33 +49,21 @@ class PipelineMemoryError(MemoryBudgetError):
         return (type(self), (self.budget_bytes, self.smallest_bytes, self.stages, self.blocks, self.schedule))
 
 
-class PipelineAxis(str, Enum):
+class PipelineAxis(TextEnum):
     """Options.pipeline_axis besides an axis number."""
 
     AUTO = "auto"  # the planner decides whether and on which axis pipelining pays
 
-    def __str__(self) -> str:
-        return self.value
-
     def __repr__(self) -> str:  # shown as the keyword a user passes (pipeline_axis='auto')
         return repr(self.value)
 
-    def __hash__(self) -> int:
-        return hash(("PipelineAxis", self.value))
 
-
-class Schedule(str, Enum):
+class Schedule(TextEnum):
     """The order stages run microbatches in (torch.distributed.pipelining's schedules)."""
 
     GPIPE = "gpipe"  # all forwards, then all backwards: bubble (S-1)/M, M microbatches live
     ONE_F_ONE_B = "1f1b"  # one forward, one backward once warm: same bubble, at most S live
     INTERLEAVED_1F1B = "interleaved_1f1b"  # v chunks per rank: bubble (S-1)/(v M)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # str's hash differs between runs; an enum's value is stable
-        return hash(("Schedule", self.value))
 
     @staticmethod
     def of(value: "Schedule | str") -> "Schedule":
