@@ -116,7 +116,7 @@ def test_bad_requests_name_the_value_and_the_fix():
         autopar.compile(model, mesh=(2, 2), pipeline_axis=0, microbatches=2)
     with pytest.raises(PipelineError, match=r"pipeline_axis=0 with dynamic=True: .* drop one"):
         autopar.Options(pipeline_axis=0, dynamic=True)
-    with pytest.raises(PipelineError, match=r"schedule 'zigzag' is not known"):
+    with pytest.raises(PipelineError, match=r"pipeline_schedule='zigzag' is not one of \['gpipe', '1f1b', 'interleaved_1f1b'\]"):
         autopar.Options(pipeline_schedule="zigzag")
 
 

@@ -9,6 +9,9 @@ otherwise), so a member and its text are one dictionary key, as they are equal.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
+
+from autopar.core.errors import OptionsError
 
 
 class TextEnum(str, Enum):
@@ -19,6 +22,18 @@ class TextEnum(str, Enum):
 
     def __hash__(self) -> int:
         return hash(self.value)
+
+    @classmethod
+    def of_option(cls, value: Any, name: str, error: type = OptionsError, extra: str = "") -> Any:
+        """The member an option `name` names (a member, or its text); `error` names the
+        option and the choices otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise error(f"{name}={value!r} is not one of {[m.value for m in cls]}{extra}; pass one of those "
+                        f"(or autopar.{cls.__name__}.<NAME>)") from None
 
 
 class NodeKind(TextEnum):

@@ -50,16 +50,6 @@ class SolverChoice(TextEnum):
     CBC = "cbc"
 
 
-def _enum(cls: type, name: str, value: Any, extra: str = "") -> Any:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        raise OptionsError(f"Options.{name}={value!r} is not one of {[m.value for m in cls]}{extra}; pass one of "
-                           f"those (or autopar.{cls.__name__}.<NAME>)") from None
-
-
 @dataclass(frozen=True)
 class Options:
     # device preset the analytic cost model plans for: "cpu", "a100", "h100", "h200"
@@ -169,17 +159,18 @@ class Options:
                           "cost_model='saved', profile_path=that file", DeprecationWarning, stacklevel=4)
             put("profile_path", cost)
             cost = CostSource.SAVED
-        put("cost_model", _enum(CostSource, "cost_model", cost))
+        put("cost_model", CostSource.of_option(cost, "Options.cost_model"))
         if self.cost_model is CostSource.SAVED and self.profile_path is None:
             raise OptionsError("Options.cost_model='saved' reads a saved profile: give its file as profile_path=")
         clustering = {True: "inner", False: "off", None: "off"}.get(self.cluster_layers, self.cluster_layers) \
             if isinstance(self.cluster_layers, (bool, type(None))) else self.cluster_layers
-        put("cluster_layers", _enum(Clustering, "cluster_layers", clustering, " (or True / False)"))
-        put("solver", _enum(SolverChoice, "solver", self.solver))
+        put("cluster_layers", Clustering.of_option(clustering, "Options.cluster_layers", extra=" (or True / False)"))
+        put("solver", SolverChoice.of_option(self.solver, "Options.solver"))
         put("dynamic", Dynamic.of(self.dynamic))  # a clear OptionsError for anything else
         put("pipeline_schedule", Schedule.of(self.pipeline_schedule))
         if isinstance(self.pipeline_axis, str):
-            put("pipeline_axis", _enum(PipelineAxis, "pipeline_axis", self.pipeline_axis, " or a mesh axis number"))
+            put("pipeline_axis", PipelineAxis.of_option(self.pipeline_axis, "Options.pipeline_axis",
+                                                         extra=" or a mesh axis number"))
         elif self.pipeline_axis is not None and not _is_int(self.pipeline_axis, 0):
             raise PipelineError(f"pipeline_axis={self.pipeline_axis!r} is not a mesh axis number; give an axis "
                                 "number, 'auto' (the planner decides) or None")

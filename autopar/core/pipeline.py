@@ -67,13 +67,7 @@ class Schedule(TextEnum):
 
     @staticmethod
     def of(value: "Schedule | str") -> "Schedule":
-        if isinstance(value, Schedule):
-            return value
-        try:
-            return Schedule(value)
-        except ValueError:
-            raise PipelineError(f"pipeline schedule {value!r} is not known; use one of "
-                                f"{[s.value for s in Schedule]} (or autopar.Schedule.<NAME>)") from None
+        return Schedule.of_option(value, "pipeline_schedule", PipelineError)
 
     @property
     def chunks_per_rank(self) -> int:
