@@ -17,14 +17,12 @@ from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook
 from autopar.passes.plan import planner
-from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
-from autopar.passes.plan.planning import options_with, plan_annotated, planning_inputs
-from autopar.passes.trace.trace import trace
+from autopar.passes.plan.buffer_layouts import LocalBuffers
+from autopar.passes.plan.planning import options_with
 from autopar.runtime.generation import Generator
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.stages import PipelineStages, pipelined_plan
-from autopar.runtime.shards import state_owners, whole_state
 from autopar.runtime.resume import (CheckpointManifest, latest_checkpoint,  # noqa: F401 - re-exported
                                     load_training_checkpoint, resume, save_training_checkpoint)
 
@@ -144,21 +142,10 @@ def plan_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_
     parameter and cache layouts, as on the ranks."""
     opts = options_with(options, {"training": False, **option_overrides})
     mesh_ = Mesh.of(mesh)
-    mesh_.ranks_per_node(opts.nodes)
     cached = CachedLM(model.eval(), max_batch, max_cache_len)
     local = LocalBuffers(tuple(cached.cache_names()), (0, 1), _cache_layout(cache_layout, cached, mesh_))
     steps = Generator(cached, cached.shape, max_cache_len if prefill_len is None else prefill_len).step_inputs()
-    state = whole_state(cached)
-    plans: list[Plan] = []
-    pinned: Optional[dict] = None
-    for inputs in steps:
-        traced = trace(cached, *planning_inputs(cached, inputs, {}), opts.param_dtype)
-        plans.append(plan_local_buffers(traced, mesh_, opts, pinned, local,
-                                        lambda graph: plan_annotated(graph, opts)))
-        if pinned is None:
-            pinned = {name: spec.placements for name, (_, spec) in
-                      state_owners(traced, plans[-1], state.__getitem__).items()}
-    return PlanBook(tuple(plans))
+    return planner.plan_steps(cached, steps, mesh_, opts, local)
 
 
 def _cache_layout(text: Optional[str], cached: CachedLM, mesh: Mesh) -> Any:

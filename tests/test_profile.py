@@ -217,7 +217,7 @@ def test_a_sharded_rank_program_runs_alone_with_stand_in_collectives(family):
     from autopar.passes.trace.trace import flatten_inputs
     from autopar import _compat
     from autopar.runtime.measure import program_alone, time_program
-    from autopar.runtime.shards import whole_state
+    from autopar.passes.plan.state_layouts import whole_state
     from autopar.tools.simulated import CHEAP_COMM
     from tests.models import build, inputs
     model = build(family).train()

@@ -14,9 +14,9 @@ from autopar.core.options import Options
 from autopar.core.plan import Plan
 from autopar.cost_models.profile import Profile
 from autopar.passes.plan.planning import plan_annotated
+from autopar.passes.plan.state_layouts import whole_state
 from autopar.passes.strategies.strategies import AnnotatedGraph
 from autopar.runtime.measure import calibrate_program, profile_compute, samples_of, save_profile
-from autopar.runtime.shards import whole_state
 
 
 def measured_plan(graph: AnnotatedGraph, options: Options, profile: Profile, device: torch.device,

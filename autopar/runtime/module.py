@@ -43,6 +43,7 @@ from autopar.core.plan_book import PlanBook, given_plans
 from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
 from autopar.passes.lower.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
 from autopar.passes.plan.planning import plan_annotated
+from autopar.passes.plan.state_layouts import pinned_layouts
 from autopar.passes.lower.program import bind
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace.trace import TracedGraph, flatten_inputs
@@ -59,7 +60,7 @@ from autopar.runtime.measured_plan import measured_plan
 from autopar.runtime.agree import agreed_plan, attempt
 from autopar.runtime.shipping import Inputs, shared_trace
 from autopar.runtime.step import Stages, one_program_step
-from autopar.runtime.shards import empty_shards, fill_shards, pinned_layouts, store_buffers
+from autopar.runtime.shards import empty_shards, fill_shards, store_buffers
 from autopar.runtime.state import ShardedStateMethods
 
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from autopar.core.mesh import Mesh
 from autopar.core.placement import R, Partial, Shard, Spec, block_index, local_chunk, split_blocks
+from autopar.passes.plan.state_layouts import tied_groups
 from autopar.runtime.collectives import AxisComm, all_gather, all_reduce
-from autopar.runtime.shards import tied_groups
 
 
 class ShardedModel(Protocol):

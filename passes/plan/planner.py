@@ -5,6 +5,9 @@
       dynamic set         -> passes/plan/dynamic_plans.py: one trace with symbolic sizes, planned at
                              the range's representative sizes
       otherwise           -> passes/plan/planning.py: trace, strategies, costs, solve
+    model, step inputs, mesh, Options, local buffers -> PlanBook (plan_steps)
+                             generation's decode and prefill plans, the first fixing every
+                             state tensor's layout (autopar.plan_for_generation)
 
 autopar.plan calls it; on ranks the first rank calls it for a pipelined plan
 (autopar/runtime/stages.py), and a ParallelModule plans each traced graph it meets
@@ -20,9 +23,12 @@ from torch import nn
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.plan import Plan
+from autopar.core.plan_book import PlanBook
 from autopar.passes.plan import pipeline
+from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
 from autopar.passes.plan.dynamic_plans import DynamicPlans, PlannedGraph
-from autopar.passes.plan.planning import plan_traced, planning_inputs
+from autopar.passes.plan.planning import plan_annotated, plan_traced, planning_inputs
+from autopar.passes.plan.state_layouts import state_owners, whole_state
 from autopar.passes.trace.trace import trace
 
 
@@ -43,3 +49,22 @@ def _dynamic(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: O
         traced = trace(model, *planning_inputs(model, a, kw), options.param_dtype, shapes)
         return PlannedGraph(traced, plan_traced(traced, mesh, options)[1])
     return DynamicPlans(options.dynamic, traced_plan).compiled(args, kwargs).plan
+
+
+def plan_steps(model: nn.Module, steps: tuple[tuple, ...], mesh: Mesh, options: Options,
+               local: LocalBuffers) -> PlanBook:
+    """One plan per step's inputs (generation's decode first, then prefill), of a model
+    whose `local` buffers (a KV cache) each rank keeps its block of: the first plan fixes
+    every state tensor's layout and the later ones keep it, as on the ranks."""
+    mesh.ranks_per_node(options.nodes)
+    state = whole_state(model)
+    plans: list[Plan] = []
+    pinned: Optional[dict] = None
+    for inputs in steps:
+        traced = trace(model, *planning_inputs(model, inputs, {}), options.param_dtype)
+        plans.append(plan_local_buffers(traced, mesh, options, pinned, local,
+                                        lambda graph: plan_annotated(graph, options)))
+        if pinned is None:
+            pinned = {name: spec.placements for name, (_, spec) in
+                      state_owners(traced, plans[-1], state.__getitem__).items()}
+    return PlanBook(tuple(plans))
