@@ -227,6 +227,8 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     assert type(pipe) is autopar.ParallelModule and pipe.stages is not None  # one executor for every plan
     with pytest.raises(PipelineError, match=r"pm.step\(\*args, target=\.\.\., \*\*kwargs\), not pm\(\.\.\.\)"):
         pipe(input_ids=ids)
+    with pytest.raises(PipelineError, match=r"pm.clip_grad_norm_ does not take a pipelined plan yet"):
+        pipe.clip_grad_norm_(1.0)  # its shards are the stages': a norm over none would be silently 0
     with pytest.raises(PipelineError, match=f"microbatches={microbatches} does not divide the batch"):
         pipe.step(input_ids=ids[:3], target=ids[:3])
     loss = pipe.step(input_ids=ids, target=ids)

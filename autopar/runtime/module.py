@@ -196,6 +196,12 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             return self.stages.load_full_state_dict(state_dict)
         super().load_full_state_dict(state_dict)
 
+    def _require_own_shards(self, what: str) -> None:
+        if self.stages is not None:
+            raise PipelineError(f"pm.{what} does not take a pipelined plan yet (its shards live in the stages, "
+                                "pm.stages.modules()); use pm.full_state_dict() / pm.load_full_state_dict(sd), or "
+                                "save_training_checkpoint / resume")
+
     def checkpoint_view(self) -> CheckpointView:
         """What save_training_checkpoint / load_training_checkpoint read and write here."""
         return self.stages.checkpoint_view() if self.stages is not None else ShardView(self)

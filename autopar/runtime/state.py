@@ -201,9 +201,13 @@ def load_checkpoint(pm: "ShardedModel", path: str) -> None:
 class ShardedStateMethods:
     """The training utilities of ParallelModule (kept here, beside their implementations)."""
 
+    def _require_own_shards(self, what: str) -> None:
+        """ParallelModule refuses here when its shards live elsewhere (a pipelined plan's stages)."""
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all shards by their global norm, as
         torch.nn.utils.clip_grad_norm_ does on the unsharded model; returns that norm."""
+        self._require_own_shards("clip_grad_norm_")
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -218,20 +222,24 @@ class ShardedStateMethods:
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Shards as DTensors on `self.device_mesh`, for torch.distributed.checkpoint."""
+        self._require_own_shards("sharded_state_dict")
         return sharded_state_dict(self)
 
     def load_safetensors(self, path: str) -> None:
         """Read this rank's block of every tensor from a safetensors file, slice by slice:
         the whole model is never in this rank's memory."""
+        self._require_own_shards("load_safetensors")
         load_safetensors(self, path)
         self.loaded = True
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded save through torch.distributed.checkpoint (each rank writes its shards)."""
         import torch.distributed.checkpoint as dcp
+        self._require_own_shards("save_checkpoint")
         dcp.save(self.sharded_state_dict(), checkpoint_id=path)
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint saved by save_checkpoint on any mesh or plan of this model."""
+        self._require_own_shards("load_checkpoint")
         load_checkpoint(self, path)
         self.loaded = True
