@@ -40,12 +40,13 @@ from autopar.core.pipeline import PipelineError
 from autopar.core.placement import Placement, Spec
 from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook, given_plans
-from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
+from autopar.passes.plan.buffer_layouts import LocalBuffers
+from autopar.passes.plan.planner import plan_graph
 from autopar.passes.lower.emit import RankProgram, buffer_blocks, emit, local_inputs, shard
 from autopar.passes.plan.planning import plan_annotated
 from autopar.passes.plan.state_layouts import pinned_layouts
 from autopar.passes.lower.program import bind
-from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
+from autopar.passes.strategies.strategies import AnnotatedGraph
 from autopar.passes.trace.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.call_agreement import CallSignature, agree_on_call
@@ -312,12 +313,13 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return self.options.profile_path or default_profile_path(self.device)
 
     def _solve(self, traced: TracedGraph, profile, user: Optional[list[torch.Tensor]] = None) -> Plan:
-        """Rank 0's solve; with a profile, the ops the strategies would run are timed first."""
+        """Rank 0's solve; with a profile, the ops the strategies would run are timed first
+        (the program timed whole only without local buffers, whose plans are chosen among
+        several)."""
         self.solve_count += 1
-        if self.local_buffers is not None:
-            return plan_local_buffers(traced, self.mesh, self.options, self._pinned, self.local_buffers,
-                                      lambda graph: self._solve_graph(graph, profile))
-        return self._solve_graph(annotate(traced, self.mesh, self._pinned, self.options.discover_rules), profile, user)
+        timed = None if self.local_buffers is not None else user
+        return plan_graph(traced, self.mesh, self.options, self._pinned, self.local_buffers,
+                          lambda graph: self._solve_graph(graph, profile, timed))
 
     def _solve_graph(self, graph: AnnotatedGraph, profile, user: Optional[list[torch.Tensor]] = None) -> Plan:
         """With a profile, measured first (runtime/measured_plan.py)."""

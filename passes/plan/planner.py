@@ -1,4 +1,11 @@
-"""The one way to plan a model offline: whichever kind of plan its options ask for.
+"""Planning's entries: a traced graph (plan_graph), or a model offline (plan_model), for
+whichever kind of plan the options ask for.
+
+    traced graph, mesh, Options [, pinned layouts, local buffers, solve] -> Plan (plan_graph)
+                             what every other entry plans a graph with; a ParallelModule
+                             passes its own `solve` (the profiling cost model's measure ->
+                             plan -> calibrate -> plan again, autopar/runtime/measured_plan.py),
+                             so the planner never imports the runtime
 
     model, inputs, mesh, Options -> Plan
       pipeline_axis set   -> passes/plan/pipeline.py: stages chosen by the DP, every stage's plan inside
@@ -9,9 +16,9 @@
                              generation's decode and prefill plans, the first fixing every
                              state tensor's layout (autopar.plan_for_generation)
 
-autopar.plan calls it; on ranks the first rank calls it for a pipelined plan
-(autopar/runtime/stages.py), and a ParallelModule plans each traced graph it meets
-through passes/plan/planning.py directly (it traces on rank 0 and ships the graph).
+autopar.plan calls plan_model; on ranks the first rank calls it for a pipelined plan
+(autopar/runtime/stages.py), and a ParallelModule's rank 0 calls plan_graph for each
+traced graph it meets (it traces on rank 0 and ships the graph).
 """
 
 from __future__ import annotations
@@ -23,13 +30,27 @@ from torch import nn
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.plan import Plan
+from autopar.core.placement import Placement
 from autopar.core.plan_book import PlanBook
 from autopar.passes.plan import pipeline
-from autopar.passes.plan.buffer_layouts import LocalBuffers, plan_local_buffers
+from autopar.passes.plan.buffer_layouts import LocalBuffers, SolveGraph, plan_local_buffers
 from autopar.passes.plan.dynamic_plans import DynamicPlans, PlannedGraph
-from autopar.passes.plan.planning import plan_annotated, plan_traced, planning_inputs
+from autopar.passes.plan.planning import plan_annotated, planning_inputs
 from autopar.passes.plan.state_layouts import state_owners, whole_state
-from autopar.passes.trace.trace import trace
+from autopar.passes.strategies.strategies import annotate
+from autopar.passes.trace.trace import TracedGraph, trace
+
+
+def plan_graph(traced: TracedGraph, mesh: Mesh, options: Options,
+               pinned: Optional[dict[str, tuple[Placement, ...]]] = None, local: Optional[LocalBuffers] = None,
+               solve: Optional[SolveGraph] = None) -> Plan:
+    """`pinned`: layouts the plan must keep (a later plan of a module's shards); `local`:
+    buffers each rank keeps its block of, whose layout is chosen among candidates
+    (passes/plan/buffer_layouts.py)."""
+    solve = solve or (lambda graph: plan_annotated(graph, options))
+    if local is not None:
+        return plan_local_buffers(traced, mesh, options, pinned, local, solve)
+    return solve(annotate(traced, mesh, pinned, options.discover_rules))
 
 
 def plan_model(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, options: Options) -> Plan:
@@ -39,7 +60,7 @@ def plan_model(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, 
         return pipeline.plan_model(model, args, kwargs, mesh, options)
     if options.dynamic is not None:
         return _dynamic(model, args, kwargs, mesh, options)
-    return plan_traced(trace(model, args, kwargs, options.param_dtype), mesh, options)[1]
+    return plan_graph(trace(model, args, kwargs, options.param_dtype), mesh, options)
 
 
 def _dynamic(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
@@ -47,7 +68,7 @@ def _dynamic(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: O
     (the same graph fingerprint, so compile(..., plan=it, dynamic=the same) runs it)."""
     def traced_plan(a: tuple, kw: dict, shapes: tuple) -> PlannedGraph:
         traced = trace(model, *planning_inputs(model, a, kw), options.param_dtype, shapes)
-        return PlannedGraph(traced, plan_traced(traced, mesh, options)[1])
+        return PlannedGraph(traced, plan_graph(traced, mesh, options))
     return DynamicPlans(options.dynamic, traced_plan).compiled(args, kwargs).plan
 
 
@@ -62,8 +83,7 @@ def plan_steps(model: nn.Module, steps: tuple[tuple, ...], mesh: Mesh, options: 
     pinned: Optional[dict] = None
     for inputs in steps:
         traced = trace(model, *planning_inputs(model, inputs, {}), options.param_dtype)
-        plans.append(plan_local_buffers(traced, mesh, options, pinned, local,
-                                        lambda graph: plan_annotated(graph, options)))
+        plans.append(plan_graph(traced, mesh, options, pinned, local))
         if pinned is None:
             pinned = {name: spec.placements for name, (_, spec) in
                       state_owners(traced, plans[-1], state.__getitem__).items()}
