@@ -60,4 +60,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (and the module's own dunders), not what the loader imports."""
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})

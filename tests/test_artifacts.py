@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
 import warnings
@@ -157,6 +158,39 @@ def test_cli_coverage_reports_rule_sources():
     assert "discovered: aten.histc.default x2" in r.stdout and "replicated:" not in r.stdout
     assert "transformers.grouped_mm_fallback.default x4" in r.stdout  # listed among the hand-ruled ops
     assert "speedup" in lines[1]
+
+
+def test_a_plan_file_gets_the_modes_open_would_give_it(gpt2_plans, tmp_path):
+    mask = os.umask(0)
+    os.umask(mask)
+    path = tmp_path / "plan.json"
+    gpt2_plans[0].to_json(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~mask  # not mkstemp's 0600
+
+
+def test_dir_of_the_package_lists_its_public_names():
+    names = dir(autopar)
+    assert {"compile", "plan", "Options", "ParallelModule", "__version__"} <= set(names)
+    assert not {"Any", "annotations", "importlib"} & set(names), names
+
+
+def test_the_cli_says_its_version_and_refuses_sizes_a_factory_ignores(capsys):
+    from autopar.tools.cli import main
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"autopar {autopar.__version__}"
+    assert main(["plan", "tests.models:mlp_factory", "--mesh", "2", "--seq", "64", "--out", "x.json"]) == 1
+    assert "--batch and --seq size a zoo model's inputs" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # CLI subprocesses
+def test_cli_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
+    path = tmp_path / "plan.json"
+    assert _cli("plan", "gpt2-small", "--mesh", "2,4", "--out", str(path)).returncode == 0  # on meta: no weights
+    done = subprocess.run(f"{sys.executable} -m autopar show {path} --nodes | head -1", shell=True,
+                          capture_output=True, text=True, executable="/bin/bash", timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.stdout.startswith("Plan for GPT2LMHeadModel") and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.slow  # CLI subprocesses

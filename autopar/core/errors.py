@@ -39,7 +39,7 @@ class MemoryBudgetError(SolverError):
         self.budget_bytes, self.smallest_bytes = budget, smallest
         super().__init__(f"no plan fits the memory budget of {budget} bytes ({budget / 2**20:.2f} MiB) per rank; "
                          f"the smallest footprint found is {smallest} bytes ({smallest / 2**20:.2f} MiB). Raise "
-                         "Options.memory_budget_bytes, use a larger mesh, or plan for inference")
+                         "Options.memory_budget_bytes or use a larger mesh (more ranks to split over)")
 
     def __reduce__(self):
         return (type(self), (self.budget_bytes, self.smallest_bytes))

@@ -23,6 +23,7 @@ def write_json_atomic(path: "str | os.PathLike", data: Any) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".json.tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the group: as open() makes it
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, separators=(",", ":"))
             f.flush()
@@ -32,6 +33,12 @@ def write_json_atomic(path: "str | os.PathLike", data: Any) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def read_json(path: "str | os.PathLike", what: str, remedy: str) -> Any:

@@ -7,12 +7,15 @@
     python -m autopar coverage [models...] [--mesh 2,4] [--training]
     python -m autopar sweep [--task causal-lm] [--training] [--only llama,gpt2] [--json out.json]
 
-Exit codes: 0 done, 1 autopar refused (message on stderr), 2 bad command line.
+Models are built on the meta device to plan (no weights are made; a full-size zoo model
+plans in the memory of its shapes). Exit codes: 0 done, 1 autopar refused (message on
+stderr), 2 bad command line; output cut short by a closed pipe (`| head`) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -23,8 +26,7 @@ from autopar.core.files import write_json_atomic
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.passes.lower.emit import emit
-from autopar.passes.plan.planning import plan_traced
-from autopar.passes.trace.trace import trace
+from autopar.passes.plan.planning import plan_traced, trace_for_planning
 from autopar.tools import zoo
 from autopar.tools.coverage import coverage, report
 from autopar.tools.simulated import CHEAP_COMM
@@ -43,6 +45,7 @@ def _mesh(text: str) -> tuple[int, ...]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m autopar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"autopar {autopar.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     models_help = f"one of {', '.join(zoo.names())}, or package.module:factory"
 
@@ -52,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--device", default="cpu", help="cost-model preset: cpu, a100, h100, h200")
         sp.add_argument("--nnodes", type=int, default=1, help="machines the ranks span, as torchrun's --nnodes: "
                         "mesh axes whose groups cross them get the preset's inter-node link (default 1)")
-        sp.add_argument("--batch", type=int, default=4)
-        sp.add_argument("--seq", type=int, default=32)
+        sp.add_argument("--batch", type=int, help="a zoo model's batch size (default 4)")
+        sp.add_argument("--seq", type=int, help="a zoo model's sequence length (default 32)")
         sp.add_argument("--training", action="store_true", help="plan a training step (forward + backward)")
 
     sp = sub.add_parser("plan", help="plan a model offline and save the plan as JSON")
@@ -106,8 +109,19 @@ def _sweep(args) -> int:
     return 1 if any(r.against_autopar for r in results) else 0
 
 
+def _built(args) -> tuple:
+    """The model and its inputs, on meta for a zoo model; --batch/--seq size a zoo model's
+    inputs only (a factory returns its own), so they are refused with a factory."""
+    if ":" in args.model:
+        if args.batch is not None or args.seq is not None:
+            raise ValueError(f"--batch and --seq size a zoo model's inputs; the factory {args.model} returns its "
+                             "own inputs: drop them, or make the factory build those sizes")
+        return zoo.build(args.model)
+    return zoo.build(args.model, args.batch or 4, args.seq or 32, args.training, device="meta")
+
+
 def _plan(args):
-    model, margs, mkwargs = zoo.build(args.model, args.batch, args.seq, args.training)
+    model, margs, mkwargs = _built(args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autopar.plan(model, margs, mkwargs, mesh=args.mesh, device=args.device, training=args.training,
@@ -117,6 +131,14 @@ def _plan(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush finds no pipe
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe ended
+
+
+def _run(args) -> int:
     try:
         if args.command == "plan":
             plan, _ = _plan(args)
@@ -149,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _code(args) -> str:
-    model, margs, mkwargs = zoo.build(args.model, args.batch, args.seq, args.training)
-    traced = trace(model, margs, mkwargs)
+    model, margs, mkwargs = _built(args)
+    traced = trace_for_planning(model, margs, mkwargs)
     mesh = Mesh.of(args.mesh)
     if not 0 <= args.rank < mesh.size:
         raise ValueError(f"--rank {args.rank} is not a rank of mesh {mesh.shape} (0..{mesh.size - 1})")
