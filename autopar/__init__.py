@@ -15,6 +15,9 @@ import importlib
 from typing import Any
 
 from autopar._version import __version__
+from autopar.core.log import configure_from_env
+
+configure_from_env()  # AUTOPAR_LOG=info: planning's stages on stderr (autopar/core/log.py)
 
 # public name -> the module that defines it (layers: core -> cost_models -> passes -> runtime -> tools/api)
 _EXPORTS = {

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from autopar.core.dynamic import Dynamic
+from autopar.core.log import LOG
 from autopar.passes.trace.trace import flatten_inputs
 from autopar.passes.plan.dynamic_plans import DynamicPlans, PlannedSignature
 
@@ -54,6 +55,9 @@ class ProgramCache:
             return self._of_mode(training).compiled(args, kwargs)
         key = StaticSignature.of(args, kwargs, training)
         if key not in self._static:
+            if self._static:
+                LOG.info("planning again for a new input signature (%s, %s): program %d", key.shapes,
+                         "training" if training else "evaluation", len(self._static) + 1)
             self._static[key] = self.compile_fn(args, kwargs)
         return self._static[key]
 

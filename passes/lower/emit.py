@@ -16,6 +16,7 @@ whoever runs the program (runtime or simulator) stores in place of the old one."
 from __future__ import annotations
 
 from dataclasses import dataclass
+import logging
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -23,6 +24,7 @@ from torch import fx
 
 from autopar.core.errors import FingerprintMismatchError, PlanFileError
 from autopar.core.kinds import NodeKind
+from autopar.core.log import logged
 from autopar.core.options import INFLIGHT_CAP_BYTES
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
@@ -48,6 +50,7 @@ class RankProgram:
         return self.gm.code
 
 
+@logged("emit", lambda p: f"the program of mesh coordinates {p.coords}", logging.DEBUG)
 def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optional[torch.device] = None,
          defer_grad_sync: bool = False, inflight_cap_bytes: Optional[int] = INFLIGHT_CAP_BYTES) -> RankProgram:
     """The program of the rank at `coords`; its reshard steps are unbound (passes/lower/program.py).

@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 
 from autopar.core.errors import MemoryBudgetError, SolverError
 from autopar.core.kinds import NodeKind
+from autopar.core.log import logged
 from autopar.core.options import Clustering, Options
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
@@ -170,6 +171,8 @@ def _backward_member(p: PlannedNode, consumer: str, position: int, graph: Annota
 
 # ---- 3. solve ---------------------------------------------------------------------
 
+@logged("solve", lambda p: f"{p.solver.status}, {p.solver.variables} variables, "
+                           f"step {p.total_s * 1e3:.3f} ms predicted")
 def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     """The fastest plan within Options.memory_budget_bytes (MemoryBudgetError when none fits)."""
     # 1. price every node's strategies
@@ -189,7 +192,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
         forward = EdgePricer(replace(costs, training=False))
         model = replace(model, blocks=block_terms(model, find_blocks(graph), forward, forward_s, memory))
     keep = _recompute_groups(model)
-    with_recompute = {"forward": forward} if model.blocks else {}  # prunes with forward prices only where blocks may recompute
+    with_recompute = {"forward": forward} if model.blocks else {}  # forward prices: only where blocks may recompute
     model = prune_dominated(model, pricer, with_memory=budget is not None, **with_recompute)
     # 3. the least time within the budget
     ilp = build_ilp(model, pricer, time_objective, budget, forward)

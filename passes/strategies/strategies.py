@@ -34,6 +34,7 @@ from torch import fx
 from autopar import _compat
 from autopar.core.errors import describe_node
 from autopar.core.kinds import NodeKind
+from autopar.core.log import logged
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, canonical, size_hint
 from autopar.passes.strategies.discovery import discover
@@ -140,6 +141,7 @@ def head_units(gm: fx.GraphModule) -> Units:
     return {size: tuple(sorted(us)) for size, us in sorted(found.items())}
 
 
+@logged("strategies", lambda g: f"{len(g.nodes)} nodes, {sum(len(n.strategies) for n in g.nodes)} strategies")
 def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement, ...]] | None = None,
              discover_rules: bool = True) -> AnnotatedGraph:
     pinned = pinned or {}

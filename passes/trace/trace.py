@@ -36,6 +36,7 @@ from torch import fx, nn
 from autopar import _compat
 from autopar.core.errors import TraceError, UnsupportedModelError, describe_node
 from autopar.core.kinds import NodeKind
+from autopar.core.log import logged
 from autopar.core.placement import TensorMeta, size_hint
 from autopar.passes.trace.dynamic import SymbolicDim, specialised_error, symbolic_dims
 from autopar.passes.trace.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
@@ -173,6 +174,7 @@ def _configs(model: nn.Module) -> list[Any]:
     return [c for c in found.values() if isinstance(getattr(c, "use_cache", None), bool)]
 
 
+@logged("trace", lambda t: f"{t.model_name}, {len(t.gm.graph.nodes)} nodes")
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
           param_dtype: Optional[torch.dtype] = None, dynamic_shapes: Optional[tuple] = None) -> TracedGraph:
     """`param_dtype`: run on copies of the floating parameters and inputs in this dtype

@@ -1,0 +1,33 @@
+"""The autopar logger: quiet unless asked, each planning stage with its time when it is."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import torch
+
+import autopar
+from tests.models import MLP
+
+CODE = "import torch, autopar; from tests.models import MLP; autopar.plan(MLP(), (torch.randn(4, 16),), mesh=(2,))"
+
+
+def test_planning_logs_each_stage_with_its_time_at_info(caplog):
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        autopar.plan(MLP().eval(), (torch.randn(4, 16),), mesh=(2,))
+    lines = [r.getMessage() for r in caplog.records if r.name == "autopar"]
+    for stage in ("trace", "strategies", "solve"):
+        assert any(line.startswith(f"{stage}: ") and " s (" in line for line in lines), (stage, lines)
+    assert any("Optimal" in line and "variables" in line for line in lines), lines
+
+
+def test_quiet_by_default_and_on_stderr_with_autopar_log():
+    env = {k: v for k, v in os.environ.items() if k != "AUTOPAR_LOG"}
+    quiet = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=300)
+    assert quiet.returncode == 0 and "autopar: " not in quiet.stderr, quiet.stderr
+    loud = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
+                          env={**env, "AUTOPAR_LOG": "info"}, timeout=300)
+    assert loud.returncode == 0 and "autopar: trace: " in loud.stderr and "autopar: solve: " in loud.stderr, loud.stderr
