@@ -136,8 +136,16 @@ def test_cli_plan_show_diff_code(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Plan for GPT2LMHeadModel" in r.stdout and a.exists()
     assert _cli("plan", "gpt2-tiny", "--mesh", "2,2", "--out", str(b), "--device", "h100").returncode == 0
-    r = _cli("show", str(a), "--nodes")
-    assert r.returncode == 0 and "collectives (forward order)" in r.stdout and "lm_head" in r.stdout
+    r = _cli("show", str(a), "--nodes", "--all")
+    assert r.returncode == 0 and "collectives by module" in r.stdout and "lm_head" in r.stdout, r.stdout
+    assert "every collective (forward order)" in r.stdout
+    r = _cli("explain", str(a), "addmm")
+    assert r.returncode == 0 and "addmm (aten.addmm.default, in transformer.h.0.attn.c_attn)" in r.stdout, r.stdout
+    r = _cli("explain", str(a), "no_such_node")
+    assert r.returncode == 1 and "has no node 'no_such_node'" in r.stderr and "ops: " in r.stderr, r.stderr
+    r = _cli("visualize", str(a), "--out", str(tmp_path / "pictures"))
+    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
+        "plan_costs.png", "plan_graph.png", "plan_tensors.png"], r.stderr
     r = _cli("diff", str(a), str(b))
     assert r.returncode == 0 and "nodes differ" in r.stdout
     r = _cli("code", "gpt2-tiny", "--mesh", "2,2", "--rank", "3", "--plan", str(a))
@@ -223,3 +231,12 @@ def test_plan_files_on_gloo_ranks(gpt2_plans):
         assert mismatch["error_type"] == "ProcessGroupError", (rank, mismatch)
         assert "different plans" in mismatch["message"]
         assert mismatch["seconds"] < 60
+
+
+def test_show_groups_collectives_by_the_module_that_reads_them(gpt2_plans):
+    from autopar.tools.plan_text import collectives_by_module
+    sharded = gpt2_plans[0]
+    lines = collectives_by_module(sharded)
+    assert lines and all("MiB" in line and "@axis" in line for line in lines), lines
+    counted = sum(int(part.split(" x")[1].split()[0]) for line in lines for part in line.split(", "))
+    assert counted == len(sharded.collectives())  # every collective in exactly one module's line

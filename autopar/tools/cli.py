@@ -1,7 +1,9 @@
 """Command line: plan, show, diff, code, coverage, sweep.
 
     python -m autopar plan gpt2-tiny --mesh 2,4 --out plan.json
-    python -m autopar show plan.json
+    python -m autopar show plan.json [--nodes] [--all]
+    python -m autopar explain plan.json NODE
+    python -m autopar visualize plan.json --out DIR
     python -m autopar diff a.json b.json
     python -m autopar code gpt2-tiny --mesh 2,4 --rank 3 [--plan plan.json]
     python -m autopar coverage [models...] [--mesh 2,4] [--training]
@@ -23,12 +25,14 @@ import autopar
 from autopar import Plan
 from autopar.core.errors import AutoparError
 from autopar.core.files import write_json_atomic
+from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.passes.lower.emit import emit
 from autopar.passes.plan.planning import plan_traced, trace_for_planning
 from autopar.tools import zoo
 from autopar.tools.coverage import coverage, report
+from autopar.tools.plan_text import collectives_by_module
 from autopar.tools.simulated import CHEAP_COMM
 from autopar.tools.sweep import Stage, SweepOptions, sweep
 from autopar.tools.sweep_configs import Task
@@ -65,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("show", help="print a saved plan")
     sp.add_argument("plan")
     sp.add_argument("--nodes", action="store_true", help="also list every node's placement")
+    sp.add_argument("--all", action="store_true", help="also list every collective with its producer and consumer")
+    sp = sub.add_parser("explain", help="why the plan chose what it chose for one node")
+    sp.add_argument("plan")
+    sp.add_argument("node", help="a node name, as show --nodes lists them")
+    sp = sub.add_parser("visualize", help="draw a saved plan's pictures as PNG files (needs matplotlib)")
+    sp.add_argument("plan")
+    sp.add_argument("--out", required=True, help="folder for tensors.png, graph.png and costs.png")
     sp = sub.add_parser("diff", help="compare two saved plans")
     sp.add_argument("a")
     sp.add_argument("b")
@@ -148,11 +159,21 @@ def _run(args) -> int:
         elif args.command == "show":
             plan = Plan.from_json(args.plan)
             print(plan.summary())
-            print("collectives (forward order):")
-            for c in plan.collectives():
-                print(f"  {c}")
+            print("collectives by module (forward order; MiB this rank sends):")
+            print("\n".join(collectives_by_module(plan)))
+            if args.all:
+                print("every collective (forward order):")
+                for c in plan.collectives():
+                    print(f"  {c}")
             if args.nodes:
                 print(plan.table())
+        elif args.command == "explain":
+            print(_explained(Plan.from_json(args.plan), args))
+        elif args.command == "visualize":
+            from autopar.tools.visualize import visualize  # matplotlib: an optional dependency
+            os.makedirs(args.out, exist_ok=True)
+            visualize(Plan.from_json(args.plan), os.path.join(args.out, "plan"))
+            print(f"wrote {', '.join(os.path.join(args.out, f'plan_{n}.png') for n in ('tensors', 'graph', 'costs'))}")
         elif args.command == "diff":
             print(Plan.from_json(args.a).diff(Plan.from_json(args.b)))
         elif args.command == "code":
@@ -168,6 +189,14 @@ def _run(args) -> int:
         print(f"autopar: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _explained(plan: Plan, args) -> str:
+    ops = [n.name for n in plan.nodes if n.kind is NodeKind.OP]
+    if args.node not in {n.name for n in plan.nodes}:
+        raise ValueError(f"plan {args.plan} has no node {args.node!r}; `python -m autopar show {args.plan} --nodes` "
+                         f"lists them (ops: {', '.join(ops[:5])}{', ...' if len(ops) > 5 else ''})")
+    return plan.explain(args.node)
 
 
 def _code(args) -> str:
