@@ -129,3 +129,14 @@ def _assert_gradients_match(pm, ref, **tolerance) -> None:
     for name in names:
         torch.testing.assert_close(pm.shards.get_parameter(name).grad, want[name].grad, **tolerance,
                                    msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_auto_device_picks_this_gpus_preset_and_memory():
+    """The default Options.device ("auto") on a CUDA machine: the preset its name picks,
+    the memory torch reports for it, and the summary naming both."""
+    from autopar.cost_models.devices import detected_device
+    spec = detected_device()
+    name = torch.cuda.get_device_name(0)
+    assert spec.detected == name and spec.memory_bytes == torch.cuda.get_device_properties(0).total_memory
+    plan = autopar.plan(models.build("mlp"), (torch.randn(8, 16),), mesh=(2,))
+    assert plan.device == spec.name != "cpu" and f"auto-detected {name}" in plan.summary(), plan.summary()

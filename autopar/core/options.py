@@ -52,8 +52,10 @@ class SolverChoice(TextEnum):
 
 @dataclass(frozen=True)
 class Options:
-    # device preset the analytic cost model plans for: "cpu", "a100", "h100", "h200"
-    device: str = "cpu"
+    # device preset the analytic cost model plans for: "auto" (this process's accelerator:
+    # a CUDA device's preset and memory, else "cpu"), "cpu", "a100", "h100", "h200", "b200",
+    # one added with cost_models.devices.register_preset, or a DeviceSpec
+    device: str = "auto"
     # machines the mesh's ranks run on, node-major (with torchrun: --nnodes); a mesh axis
     # whose process groups all stay inside a node is priced with the preset's intra-node
     # link, one with any group spanning nodes with its inter-node link (core/mesh.py)

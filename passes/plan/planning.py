@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import CostSource, Options
 from autopar.core.placement import Placement
 from autopar.core.plan import Plan
+from autopar.cost_models.devices import DeviceSpec
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
 from autopar.cost_models.profile import Profile, compute_key, program_key
@@ -41,7 +43,7 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
     if profile is None and options.cost_model is CostSource.SAVED:
         profile = load_profile(options.profile_path)
-    note = f"analytic preset {costs.device.name}"
+    note = f"analytic preset {costs.device.name}" + _device_words(costs.device)
     if profile is not None:
         missed: set[str] = set()  # the op shapes the profile has no timing for (priced analytically)
         in_program = profile.program_factor.get(program_key(traced.fingerprint, mesh.shape, training), 1.0)
@@ -59,7 +61,28 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                 + (f"; ops x{in_program:.3g} inside the rank program (measured)" if in_program != 1.0 else "")
                 + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
                    if profile.collective_sync_s else ""))
+    _warn_over_memory(plan, costs.device)
     return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
+
+
+class DeviceMemoryWarning(UserWarning):
+    """A plan predicted to need more memory per rank than its device has."""
+
+
+def _device_words(device: DeviceSpec) -> str:
+    """What the summary says of the device: what "auto" detected, and its memory."""
+    memory = f"{device.memory_bytes / 2**30:.1f} GiB per device" if device.memory_bytes else ""
+    found = f"auto-detected {device.detected}" if device.detected else ""
+    return f" ({', '.join(w for w in (found, memory) if w)})" if found or memory else ""
+
+
+def _warn_over_memory(plan: Plan, device: DeviceSpec) -> None:
+    if device.memory_bytes and plan.memory_bytes > device.memory_bytes:
+        warnings.warn(DeviceMemoryWarning(
+            f"the plan of {plan.model_name} on mesh {plan.mesh.shape} is predicted to need "
+            f"{plan.memory_bytes / 2**30:.1f} GiB per rank, more than the {device.memory_bytes / 2**30:.1f} GiB of "
+            f"one {device.detected or device.name}: set Options(memory_budget_bytes=...) (parameters may then be "
+            "stored sharded and gathered where used, blocks recomputed), or use a larger mesh"), stacklevel=4)
 
 
 def _noting_misses(profile: Profile, missed: set[str]) -> Any:
