@@ -20,6 +20,7 @@ from autopar.passes.plan import planner
 from autopar.passes.plan.buffer_layouts import LocalBuffers
 from autopar.passes.plan.planning import options_with
 from autopar.runtime.generation import Generator
+from autopar.runtime.groups import start_process_group
 from autopar.runtime.kv_cache import CachedLM
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.stages import PipelineStages, pipelined_plan
@@ -98,7 +99,9 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
 def check_launch_layout(mesh: Mesh, nodes: int) -> None:
     """Before any collective: `mesh` on `nodes` nodes (Options.nodes) fits the running
     process group, and, under torchrun, its ranks per node (LOCAL_WORLD_SIZE) too, so a
-    wrong node count fails on every rank with a MeshError naming it, not a mispriced plan."""
+    wrong node count fails on every rank with a MeshError naming it, not a mispriced plan.
+    Under torchrun without a process group, one is started first (groups.start_process_group)."""
+    start_process_group()
     if not (dist.is_available() and dist.is_initialized()):
         return  # the runtime's own check says how to start a process group
     local = os.environ.get("LOCAL_WORLD_SIZE", "")

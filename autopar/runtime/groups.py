@@ -16,6 +16,7 @@ exit hook that takes every group down before the interpreter ends (teardown.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.errors import MeshError, ProcessGroupError
+from autopar.core.log import LOG
 from autopar.core.mesh import Mesh
 from autopar.runtime.collectives import AxisComm
 from autopar.runtime.teardown import take_down_at_exit
@@ -54,14 +56,35 @@ class MeshGroups:
 _CACHE: dict[tuple, MeshGroups] = {}
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
+
+
+def start_process_group() -> None:
+    """Under torchrun with no process group yet, start the default one as the ecosystem
+    does: NCCL on this process's GPU (cuda:LOCAL_RANK, made current) where CUDA is
+    available, gloo otherwise; one log line says which."""
+    if not dist.is_available() or dist.is_initialized() or not all(k in os.environ for k in TORCHRUN_ENV):
+        return
+    local = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    LOG.info("started the %s process group: rank %d of %d (torchrun's environment)", dist.get_backend(),
+             dist.get_rank(), dist.get_world_size())
+
+
 def check_world(mesh: Mesh, ranks: tuple[int, ...] = ()) -> int:
     """This process's rank on the mesh, after checking that a process group of the mesh's
     size runs (or, for a sub-mesh of global `ranks`, that the world holds them and this
-    process is one of them)."""
+    process is one of them). Under torchrun without one, it is started here."""
+    start_process_group()
     if not dist.is_available() or not dist.is_initialized():
         raise ProcessGroupError(
-            "autopar.compile needs an initialised process group: launch with torchrun "
-            "(torchrun --nproc-per-node N script.py) and call torch.distributed.init_process_group(), "
+            "autopar.compile needs a process group: launch with torchrun (torchrun --nproc-per-node N "
+            "script.py: autopar then starts one itself) or call torch.distributed.init_process_group() first, "
             "or use autopar.plan(...) to plan offline without processes")
     world = dist.get_world_size()
     if ranks:
