@@ -52,6 +52,9 @@ def test_wide_mlp_batch1_is_megatron_with_closed_form_objective():
     assert plan.solver.status == "Optimal"
     assert plan.total_s == pytest.approx(closed_form, rel=1e-9)
     assert plan.solver.objective_s == pytest.approx(closed_form, rel=1e-6)
+    # the bound the solver proves is a lower bound on the closed form, here a tight one
+    assert closed_form * (1 - 1e-6) <= plan.solver.bound_s <= closed_form * (1 + 1e-9)
+    assert "proven bound" in plan.summary() and "gap 0.00%" in plan.summary()
     assert plan.comm_s == pytest.approx(2 * all_reduce, rel=1e-9)
     weights = [n for n in plan.nodes if n.kind is NodeKind.PARAMETER and n.outputs[0].meta.ndim == 2]
     assert [str(n.outputs[0]) for n in weights] == ["RS(0)", "RS(1)", "RS(0)", "RS(1)"]
@@ -240,3 +243,16 @@ def test_cbc_fallback_reaches_the_highs_optimum():
         assert cbc.solver.status == highs.solver.status == "Optimal"
         assert cbc.solver.objective_s == pytest.approx(highs.solver.objective_s, rel=1e-9)
         assert cbc.total_s == pytest.approx(highs.total_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_no_plan_of_the_search_space_costs_less_than_the_proven_bound(solver):
+    """Every hand plan (a point of the same search space, priced by the same cost model)
+    costs at least the bound; the bound is at most the objective."""
+    model, args, kwargs = models.build("gpt2"), *models.inputs("gpt2", batch=4)
+    plan = _plan(model, args, kwargs, mesh=(2, 2), device="h100", solver=solver)
+    bound = plan.solver.bound_s
+    assert bound is not None and bound <= plan.solver.objective_s * (1 + 1e-9), plan.solver
+    for style in ("data_parallel", "megatron", "dp_tp", "fsdp"):
+        hand = autopar.hand_plan(model, args, kwargs, mesh=(2, 2), style=style, device="h100")
+        assert autopar.evaluate(hand, device="h100").total_s >= bound * (1 - 1e-9), style

@@ -94,7 +94,9 @@ class Plan:
             f"memory {self.memory_bytes / 2**20:.2f} MiB (params {self.param_bytes / 2**20:.2f} MiB)",
             f"  parameters sharded: {sharded}/{len(params)}; forward collectives: {len(cols)} "
             + (f"({', '.join(f'{k} x{v}' for k, v in sorted(kinds.items()))})" if kinds else ""),
-            f"  solver: {self.solver.solver} {self.solver.status}, objective {self.solver.objective_s * 1e3:.3f} ms, "
+            f"  solver: {self.solver.solver} {self.solver.status}, objective {self.solver.objective_s * 1e3:.3f} ms"
+            + (f" (proven bound {self.solver.bound_s * 1e3:.3f} ms, gap {self.solver.gap or 0.0:.2%})"
+               if self.solver.bound_s is not None else " (no bound proven)") + ", "
             f"{self.solver.variables} variables, {self.solver.constraints} constraints, "
             f"{self.solver.solve_time_s:.2f} s"
             + (f", {self.solver.shared_blocks} repeated blocks sharing variables" if self.solver.shared_blocks else ""),

@@ -95,6 +95,9 @@ class SolverReport:
     constraints: int
     groups: int  # decision groups with their own variables (after following and clustering)
     shared_blocks: int = 0  # repeated blocks that reused another block's variables
+    # a proven lower bound on the objective: no plan in the search space is cheaper under
+    # the cost model (None where the solver proved none)
+    bound_s: Optional[float] = None
 
 
 @dataclass(frozen=True)

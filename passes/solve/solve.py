@@ -208,7 +208,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     if solution.status is not SolveStatus.OPTIMAL:
         status = f"{status} (time limit {options.time_limit_s} s)"
     report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
-                          ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks)
+                          ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks,
+                          None if solution.bound is None else solution.bound / US)
     return read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
                      _recomputed(model, ilp, solution), least)
 

@@ -94,6 +94,9 @@ class Solution:
     objective: float
     gap: Optional[float]  # relative MIP gap where the solver reports one
     seconds: float
+    # a proven lower bound on the objective (HiGHS's dual bound; CBC's optimum when it
+    # proves one); None where the solver proved none
+    bound: Optional[float] = None
 
 
 def solver_name(options: Options) -> str:
@@ -111,10 +114,10 @@ def solve_program(program: LinearProgram, options: Options) -> Solution:
     name = solver_name(options)
     t0 = time.perf_counter()
     if name == "highs":
-        status, values, objective, gap = _run_highs(program, options.time_limit_s)
+        status, values, objective, gap, bound = _run_highs(program, options.time_limit_s)
     else:
-        status, values, objective, gap = _run_cbc(program, options.time_limit_s)
-    return Solution(status, values, objective, gap, time.perf_counter() - t0)
+        status, values, objective, gap, bound = _run_cbc(program, options.time_limit_s)
+    return Solution(status, values, objective, gap, time.perf_counter() - t0, bound)
 
 
 # HiGHS's feasibility-jump heuristic searches for a first plan before the root LP; the
@@ -132,7 +135,10 @@ def solve_program(program: LinearProgram, options: Options) -> Solution:
 EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1, "presolve": "off"}
 
 
-def _run_highs(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tuple[float, ...], float, Optional[float]]:
+Outcome = tuple[SolveStatus, tuple[float, ...], float, Optional[float], Optional[float]]  # + gap, bound
+
+
+def _run_highs(p: LinearProgram, time_limit_s: float) -> Outcome:
     h = _quiet_highs()
     h.setOptionValue("time_limit", float(time_limit_s))
     lp = highspy.HighsLp()
@@ -161,8 +167,9 @@ def _run_highs(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tupl
         status = SolveStatus.FEASIBLE if solved else SolveStatus.NOT_SOLVED
     if status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
         values = tuple(h.getSolution().col_value)
-        return status, values, info.objective_function_value, float(info.mip_gap)
-    return status, (0.0,) * len(p.cost), 0.0, None
+        bound = float(info.mip_dual_bound) if any(p.binary) else info.objective_function_value  # an LP: exact
+        return status, values, info.objective_function_value, float(info.mip_gap), bound
+    return status, (0.0,) * len(p.cost), 0.0, None, None
 
 
 @cache
@@ -187,7 +194,7 @@ def _quiet_highs():
     return h
 
 
-def _run_cbc(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tuple[float, ...], float, Optional[float]]:
+def _run_cbc(p: LinearProgram, time_limit_s: float) -> Outcome:
     """The fallback: the same program through PuLP's bundled CBC."""
     import pulp
     prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
@@ -207,7 +214,8 @@ def _run_cbc(p: LinearProgram, time_limit_s: float) -> tuple[SolveStatus, tuple[
     text = pulp.LpStatus[prob.status]
     status = {"Optimal": SolveStatus.OPTIMAL, "Infeasible": SolveStatus.INFEASIBLE}.get(text, SolveStatus.NOT_SOLVED)
     values = tuple((c.value() or 0.0) for c in cols)
-    return status, values, pulp.value(prob.objective) or 0.0, None
+    objective = pulp.value(prob.objective) or 0.0
+    return status, values, objective, None, objective if status is SolveStatus.OPTIMAL else None
 
 
 def _pulp_variable(prob, name: str, **kw):
