@@ -33,6 +33,7 @@ from autopar.passes.plan.planning import plan_traced, trace_for_planning
 from autopar.tools import zoo
 from autopar.tools.coverage import coverage, report
 from autopar.tools.plan_text import collectives_by_module
+from autopar.tools.visualize import visualize  # loads matplotlib (optional) only when it draws
 from autopar.tools.simulated import CHEAP_COMM
 from autopar.tools.sweep import Stage, SweepOptions, sweep
 from autopar.tools.sweep_configs import Task
@@ -170,7 +171,6 @@ def _run(args) -> int:
         elif args.command == "explain":
             print(_explained(Plan.from_json(args.plan), args))
         elif args.command == "visualize":
-            from autopar.tools.visualize import visualize  # matplotlib: an optional dependency
             os.makedirs(args.out, exist_ok=True)
             visualize(Plan.from_json(args.plan), os.path.join(args.out, "plan"))
             print(f"wrote {', '.join(os.path.join(args.out, f'plan_{n}.png') for n in ('tensors', 'graph', 'costs'))}")
