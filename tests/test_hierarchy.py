@@ -14,7 +14,6 @@ import time
 import warnings
 
 import pytest
-import torch
 
 import autopar
 from autopar import Link, LinkKind

@@ -211,7 +211,6 @@ def test_a_sharded_rank_program_runs_alone_with_stand_in_collectives(family):
     (every collective kind the plan uses), forward and backward, on one process with
     no process group; its outputs have the shapes the in-process mesh simulator gives
     rank 0."""
-    from autopar.core.options import Options
     from autopar.passes.plan.planning import plan_traced, trace_for_planning
     from autopar.passes.lower.simulate_mesh import simulate
     from autopar.passes.trace.trace import flatten_inputs
