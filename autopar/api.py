@@ -15,7 +15,7 @@ from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
-from autopar.core.plan_book import PlanBook
+from autopar.core.plan_book import PlanBook, given_plans
 from autopar.passes.plan import planner
 from autopar.passes.plan.buffer_layouts import LocalBuffers
 from autopar.passes.plan.planning import options_with
@@ -55,9 +55,12 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     (autopar/runtime/stages.py); it needs example inputs and `loss_fn(output, target)`.
     `loss_fn` given, pm.step(*args, target=..., **kwargs) trains one step whatever the plan.
     """
-    opts = options_with(options, option_overrides)
-    if opts.pipeline_axis is not None:
-        return _pipelined(model, args, kwargs, Mesh.of(mesh), opts, plan, loss_fn)
+    opts = _device_of(model, options_with(options, option_overrides))
+    book = given_plans(plan)[0]
+    piped = next((p for p in (book.plans if book is not None else ()) if p.pipeline is not None), None)
+    if opts.pipeline_axis is not None or piped is not None:  # a given pipelined plan runs as one
+        return _pipelined(model, args, kwargs, Mesh.of(mesh), opts, piped or (book.plans[0] if book else None),
+                          loss_fn)
     check_launch_layout(Mesh.of(mesh), opts.nodes)
     pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on, loss_fn=loss_fn)
     if args is not None or kwargs is not None:
@@ -67,14 +70,17 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     return pm
 
 
-def _pipelined(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, opts: Options, plan: Any,
-               loss_fn: Any) -> ParallelModule:
+def _pipelined(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, opts: Options,
+               given: Optional[Plan], loss_fn: Any) -> ParallelModule:
+    """`given`: a plan to run (a pipelined one sets the pipeline options it was made with)."""
+    if given is not None and given.pipeline is not None and opts.pipeline_axis is None:
+        p = given.pipeline
+        opts = replace(opts, pipeline_axis=p.axis, microbatches=p.microbatches, pipeline_schedule=p.schedule)
     if loss_fn is None or (args is None and kwargs is None):
         raise PipelineError(f"pipeline_axis={opts.pipeline_axis!r} needs example inputs and a loss: "
                             "autopar.compile(model, args, kwargs, mesh=..., pipeline_axis=..., loss_fn=fn) with "
                             "fn(output, target) -> loss (the schedule runs it on the last stage)")
     check_launch_layout(mesh, opts.nodes)
-    given = Plan.from_json(plan) if isinstance(plan, (str, os.PathLike)) else plan
     args = tuple(args) if isinstance(args, (tuple, list)) else (() if args is None else (args,))
     kwargs = dict(kwargs or {})
     chosen = pipelined_plan(model, args, kwargs, mesh, opts, given)
@@ -94,6 +100,16 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
     `dynamic=`, the trace and plan compile would make for these inputs' range (the same
     graph fingerprint, so compile(..., plan=that plan, dynamic=the same) runs it)."""
     return planner.plan_model(model, args, kwargs, Mesh.of(mesh), options_with(options, option_overrides))
+
+
+def _device_of(model: nn.Module, opts: Options) -> Options:
+    """device="auto" for a model that runs on the CPU is the CPU preset, whatever GPU the
+    host has (a gloo job on a GPU machine is not priced as the GPU); on CUDA or meta, the
+    accelerator's (cost_models/devices.py detected_device)."""
+    kinds = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+    if opts.device == "auto" and kinds and kinds <= {"cpu"}:
+        return replace(opts, device="cpu")
+    return opts
 
 
 def check_launch_layout(mesh: Mesh, nodes: int) -> None:
@@ -123,7 +139,7 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     dropped (each rank keeps only its block). `plan`: a plan book (gen.plan_book, or its
     file from .to_json) of the same model, mesh and sizes: neither plan is solved again.
     """
-    opts = options_with(options, {"training": False, **option_overrides})
+    opts = _device_of(model, options_with(options, {"training": False, **option_overrides}))
     mesh_ = Mesh.of(mesh)
     check_launch_layout(mesh_, opts.nodes)
     cached = CachedLM(model.eval(), max_batch, max_cache_len)

@@ -482,3 +482,46 @@ def test_step_trains_a_plan_of_one_program_as_it_trains_a_pipeline():
         for name, g in res["grads"].items():
             torch.testing.assert_close(g, res["ref_grads"][name], rtol=1e-4, atol=1e-5)
         assert "pm.step(...) needs the loss" in res["refused"], res["refused"]
+
+
+def saved_pipeline_case(rank: int, world: int, path: str) -> dict:
+    """A pipelined plan's file (a book of one, as pm.plan_book saves it) given to compile
+    without pipeline_axis: it runs as the pipeline it is, no rank solving."""
+    import copy
+    from tests.models import MLP
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = MLP((16, 32, 32, 16)).train()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    ref = copy.deepcopy(model)
+    ref_loss = mse(ref(x), y)
+    pm = autopar.compile(model, (x,), mesh=(world,), training=True, loss_fn=mse, plan=path)
+    loss = pm.step(x, target=y)
+    try:
+        pm.prepare((x,), {})
+        refused = ""
+    except PipelineError as e:
+        refused = str(e)
+    return {"loss": loss, "ref_loss": ref_loss.detach(), "solves": pm.solve_count, "piped": pm.stages is not None,
+            "refused": refused}
+
+
+def test_a_saved_pipelined_plan_runs_as_a_pipeline_without_pipeline_axis(tmp_path):
+    from tests.harness import run_ranks
+    from tests.models import MLP
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(MLP((16, 32, 32, 16)).train(), (x,), mesh=(2,), pipeline_axis=0, microbatches=2,
+                            training=True)
+    path = str(tmp_path / "book.json")
+    autopar.PlanBook.of([plan]).to_json(path)
+    results = run_ranks(2, [(saved_pipeline_case, {"path": path})])
+    assert any(res["loss"] is not None for (res,) in results)
+    for (res,) in results:
+        assert res["piped"] and res["solves"] == 0, res
+        assert "has no program of its own to prepare" in res["refused"], res["refused"]
+        if res["loss"] is not None:  # the last stage's ranks
+            torch.testing.assert_close(res["loss"], res["ref_loss"], rtol=1e-5, atol=1e-6)

@@ -23,8 +23,8 @@ def write_json_atomic(path: "str | os.PathLike", data: Any) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".json.tmp", dir=folder)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the group: as open() makes it
         with os.fdopen(fd, "w") as f:
+            _as_open_makes_it(f.fileno())
             json.dump(data, f, separators=(",", ":"))
             f.flush()
             os.fsync(f.fileno())
@@ -35,10 +35,24 @@ def write_json_atomic(path: "str | os.PathLike", data: Any) -> None:
         raise
 
 
+def _as_open_makes_it(fd: int) -> None:
+    """The modes open() would give a new file (0666 less the umask), not mkstemp's 0600,
+    which would hide a plan from the group. The umask is read from /proc where it can
+    be (setting it to read it back races with other threads creating files)."""
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    except (OSError, AttributeError):  # a file system without modes, or no fchmod: keep mkstemp's
+        pass
+
+
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def read_json(path: "str | os.PathLike", what: str, remedy: str) -> Any:

@@ -57,6 +57,9 @@ _CACHE: dict[tuple, MeshGroups] = {}
 
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
+# the default group's timeout when autopar starts it: rank 0 plans (and may profile) while
+# the others wait in its broadcast, which takes minutes for the largest models
+START_TIMEOUT = timedelta(minutes=30)
 
 
 def start_process_group() -> None:
@@ -67,11 +70,15 @@ def start_process_group() -> None:
         return
     local = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
-        device = torch.device("cuda", local % torch.cuda.device_count())
+        if local >= torch.cuda.device_count():
+            raise ProcessGroupError(f"local rank {local} has no GPU of its own ({torch.cuda.device_count()} visible): "
+                                    "NCCL needs one GPU per rank; launch at most that many processes per node "
+                                    "(torchrun --nproc-per-node), or start a gloo group yourself")
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=START_TIMEOUT)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=START_TIMEOUT)
     LOG.info("started the %s process group: rank %d of %d (torchrun's environment)", dist.get_backend(),
              dist.get_rank(), dist.get_world_size())
 

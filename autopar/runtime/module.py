@@ -91,7 +91,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         a sub-mesh (a pipeline stage's, groups.stage_groups); default: the whole world.
         `loss_fn(output, target)`: what step() minimises. `stages`: a pipelined plan's."""
         super().__init__()
-        self.mesh, self.options, self.loss_fn, self.stages = mesh, options, loss_fn, stages
+        self.mesh, self.options, self.stages = mesh, options, stages
+        self.__dict__["loss_fn"] = loss_fn  # not a submodule even when it is an nn.Module
         self.device, self.on_meta = _model_device(model, materialize_on)
         if stages is not None:  # the stages hold the shards, groups and programs
             self.stage_modules = nn.ModuleList(stages.modules())
@@ -275,6 +276,9 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return self.programs.signatures()
 
     def _compiled(self, args: tuple, kwargs: dict) -> Compiled:
+        if self.stages is not None:
+            raise PipelineError("a pipelined plan's stages were prepared when it was compiled; it has no program "
+                                "of its own to prepare or shard inputs for: train with pm.step(...)")
         return self.programs.compiled(args, kwargs, self.source_model.training)
 
     def _compile(self, args: tuple, kwargs: dict, dynamic_shapes: Optional[tuple] = None) -> Compiled:

@@ -129,7 +129,8 @@ def _built(args) -> tuple:
             raise ValueError(f"--batch and --seq size a zoo model's inputs; the factory {args.model} returns its "
                              "own inputs: drop them, or make the factory build those sizes")
         return zoo.build(args.model)
-    return zoo.build(args.model, args.batch or 4, args.seq or 32, args.training, device="meta")
+    return zoo.build(args.model, 4 if args.batch is None else args.batch, 32 if args.seq is None else args.seq,
+                     args.training, device="meta")
 
 
 def _plan(args):

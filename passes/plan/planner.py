@@ -35,7 +35,7 @@ from autopar.core.plan_book import PlanBook
 from autopar.passes.plan import pipeline
 from autopar.passes.plan.buffer_layouts import LocalBuffers, SolveGraph, plan_local_buffers
 from autopar.passes.plan.dynamic_plans import DynamicPlans, PlannedGraph
-from autopar.passes.plan.planning import plan_annotated, planning_inputs
+from autopar.passes.plan.planning import plan_annotated, planning_inputs, warn_over_memory
 from autopar.passes.plan.state_layouts import state_owners, whole_state
 from autopar.passes.strategies.strategies import annotate
 from autopar.passes.trace.trace import TracedGraph, trace
@@ -49,15 +49,20 @@ def plan_graph(traced: TracedGraph, mesh: Mesh, options: Options,
     (passes/plan/buffer_layouts.py)."""
     solve = solve or (lambda graph: plan_annotated(graph, options))
     if local is not None:
-        return plan_local_buffers(traced, mesh, options, pinned, local, solve)
-    return solve(annotate(traced, mesh, pinned, options.discover_rules))
+        plan = plan_local_buffers(traced, mesh, options, pinned, local, solve)
+    else:
+        plan = solve(annotate(traced, mesh, pinned, options.discover_rules))
+    warn_over_memory(plan, options)
+    return plan
 
 
 def plan_model(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, options: Options) -> Plan:
     mesh.ranks_per_node(options.nodes)  # a node count that does not divide the mesh fails before tracing
     args, kwargs = planning_inputs(model, args, kwargs)
     if options.pipeline_axis is not None:
-        return pipeline.plan_model(model, args, kwargs, mesh, options)
+        plan = pipeline.plan_model(model, args, kwargs, mesh, options)
+        warn_over_memory(plan, options)
+        return plan
     if options.dynamic is not None:
         return _dynamic(model, args, kwargs, mesh, options)
     return plan_graph(trace(model, args, kwargs, options.param_dtype), mesh, options)

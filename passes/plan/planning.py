@@ -16,7 +16,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import CostSource, Options
 from autopar.core.placement import Placement
 from autopar.core.plan import Plan
-from autopar.cost_models.devices import DeviceSpec
+from autopar.cost_models.devices import DeviceSpec, preset
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
 from autopar.cost_models.profile import Profile, compute_key, program_key
@@ -61,7 +61,6 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                 + (f"; ops x{in_program:.3g} inside the rank program (measured)" if in_program != 1.0 else "")
                 + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
                    if profile.collective_sync_s else ""))
-    _warn_over_memory(plan, costs.device)
     return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
 
 
@@ -76,7 +75,10 @@ def _device_words(device: DeviceSpec) -> str:
     return f" ({', '.join(w for w in (found, memory) if w)})" if found or memory else ""
 
 
-def _warn_over_memory(plan: Plan, device: DeviceSpec) -> None:
+def warn_over_memory(plan: Plan, options: Options) -> None:
+    """A DeviceMemoryWarning for a chosen plan predicted over its device's memory (the
+    planner's entries call it once, on the plan they return, not on every candidate)."""
+    device = preset(options.device) if isinstance(options.device, str) else options.device
     if device.memory_bytes and plan.memory_bytes > device.memory_bytes:
         warnings.warn(DeviceMemoryWarning(
             f"the plan of {plan.model_name} on mesh {plan.mesh.shape} is predicted to need "

@@ -18,6 +18,7 @@ still heard."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -167,7 +168,12 @@ def _run_highs(p: LinearProgram, time_limit_s: float) -> Outcome:
         status = SolveStatus.FEASIBLE if solved else SolveStatus.NOT_SOLVED
     if status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
         values = tuple(h.getSolution().col_value)
-        bound = float(info.mip_dual_bound) if any(p.binary) else info.objective_function_value  # an LP: exact
+        if any(p.binary):
+            bound: Optional[float] = float(info.mip_dual_bound)
+        else:  # an LP: its optimum is its own bound
+            bound = info.objective_function_value if status is SolveStatus.OPTIMAL else None
+        if bound is not None and not math.isfinite(bound):  # stopped before the root LP settled
+            bound = None
         return status, values, info.objective_function_value, float(info.mip_gap), bound
     return status, (0.0,) * len(p.cost), 0.0, None, None
 
@@ -215,7 +221,10 @@ def _run_cbc(p: LinearProgram, time_limit_s: float) -> Outcome:
     status = {"Optimal": SolveStatus.OPTIMAL, "Infeasible": SolveStatus.INFEASIBLE}.get(text, SolveStatus.NOT_SOLVED)
     values = tuple((c.value() or 0.0) for c in cols)
     objective = pulp.value(prob.objective) or 0.0
-    return status, values, objective, None, objective if status is SolveStatus.OPTIMAL else None
+    # PuLP reports "Optimal" for a solution CBC found before its time limit too: only a
+    # proven optimum (sol_status) is a bound
+    proven = getattr(prob, "sol_status", None) == getattr(pulp, "LpSolutionOptimal", object())
+    return status, values, objective, None, objective if status is SolveStatus.OPTIMAL and proven else None
 
 
 def _pulp_variable(prob, name: str, **kw):
