@@ -8,6 +8,7 @@ with it (missing, truncated, not JSON) in a PlanFileError.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -39,10 +40,13 @@ def _as_open_makes_it(fd: int) -> None:
     """The modes open() would give a new file (0666 less the umask), not mkstemp's 0600,
     which would hide a plan from the group. The umask is read from /proc where it can
     be (setting it to read it back races with other threads creating files)."""
+    if not hasattr(os, "fchmod"):  # no POSIX modes on this platform: the file keeps mkstemp's
+        return
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-    except (OSError, AttributeError):  # a file system without modes, or no fchmod: keep mkstemp's
-        pass
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):  # only "this file system has no modes"
+            raise
 
 
 def _umask() -> int:
