@@ -46,6 +46,8 @@ def build(name: str, seed: int = 0, **over) -> nn.Module:
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP(**over).eval()
+    if name == "causal":
+        return CausalLM(**over).eval()
     cls, cfg = hf_config(name)
     for k, v in over.items():
         setattr(cfg, k, v)
@@ -110,3 +112,44 @@ class BigVocab(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.proj(self.embed(ids)))
+
+
+class CausalBlock(nn.Module):
+    """nanoGPT's block with grouped-query attention: sdpa(is_causal=True, enable_gqa=True),
+    no explicit mask (what HF models pass instead)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(hidden, hidden)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(h).view(b, t, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, -1))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+                 positions: int = 32) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(positions, hidden)
+        self.blocks = nn.ModuleList(CausalBlock(hidden, heads, kv_heads) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))

@@ -28,6 +28,21 @@ HAND_LAYOUTS = {
 }
 
 
+# context parallelism (hand styles in passes/plan/hand_plans.py): every attention's query
+# rows split along the sequence, keys and values gathered. "causal" calls sdpa with
+# is_causal=True and GQA (each rank's rows get their own offset mask, passes/rules/local.py),
+# llama and gpt2 pass transformers' explicit mask (split with the rows); 10 tokens over 4
+# ranks are blocks of 3, 3, 3, 1
+CONTEXT_PARALLEL_4 = [dict(model="causal", mesh=(4,), style="cp", seq=10),
+                      dict(model="llama", mesh=(4,), style="cp", seq=10),
+                      dict(model="gpt2", mesh=(4,), style="cp", seq=8),
+                      dict(model="causal", mesh=(4,), style="fsdp_cp", seq=8)]
+CONTEXT_PARALLEL_8 = [dict(model="causal", mesh=(2, 4), style="dp_cp", seq=10),
+                      dict(model="llama", mesh=(2, 4), style="tp_cp", seq=8)]
+# the attention layout each style pins
+CONTEXT_LAYOUTS = {"cp": "S(2)", "fsdp_cp": "S(2)", "dp_cp": "S(0)S(2)", "tp_cp": "S(2)S(1)"}
+
+
 @pytest.fixture(scope="module")
 def four_ranks():
     batch = [(cases.forward_equivalence, dict(model=m, mesh=mesh)) for mesh in MESHES_4 for m in MODELS]
@@ -38,6 +53,7 @@ def four_ranks():
               for m in HAND_MODELS for s in HAND_STYLES]
     batch += [(cases.vocab_parallel_embedding, dict(mesh=(2, 2)))]
     batch += [(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
+    batch += [(cases.gradient_equivalence, kw) for kw in CONTEXT_PARALLEL_4]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -46,6 +62,7 @@ def four_ranks():
 def eight_ranks():
     batch = [(cases.forward_equivalence, dict(model=m, mesh=(2, 4))) for m in MODELS]
     batch += [(cases.gradient_equivalence, dict(model=m, mesh=(2, 4))) for m in MODELS]
+    batch += [(cases.gradient_equivalence, kw) for kw in CONTEXT_PARALLEL_8]
     results = run_ranks(8, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -123,6 +140,15 @@ def test_hand_plans_run_and_match(four_ranks, model, style):
     assert placements["input_0"] == want_input, placements["input_0"]
     assert placements[weight] == want_weight.replace("d", out_dim), placements[weight]
     assert placements[norm[model]] == want_norm, placements[norm[model]]
+
+
+@pytest.mark.parametrize("kw", CONTEXT_PARALLEL_4 + CONTEXT_PARALLEL_8, ids=lambda kw: f"{kw['model']}-{kw['style']}-"
+                         f"{'x'.join(map(str, kw['mesh']))}-seq{kw['seq']}")
+def test_context_parallel_matches(four_ranks, eight_ranks, kw):
+    per_rank = (four_ranks if len(kw["mesh"]) == 1 else eight_ranks)[_key(cases.gradient_equivalence, kw)]
+    assert per_rank[0]["attention"] and all(a == CONTEXT_LAYOUTS[kw["style"]] for a in per_rank[0]["attention"]), \
+        per_rank[0]["attention"]
+    _check_gradients(per_rank)
 
 
 def test_vocab_parallel_embedding_matches(four_ranks):

@@ -260,3 +260,20 @@ def test_a_plan_book_round_trips_and_a_graph_it_lacks_is_named(tmp_path):
     (tmp_path / "other.json").write_text('{"schema": "something else"}')
     with pytest.raises(autopar.PlanFileError, match="not an autopar plan or plan book"):
         PlanBook.from_json(tmp_path / "other.json")
+
+
+def test_an_op_pinned_to_a_layout_its_rule_lacks_names_the_node_and_line():
+    # a hand plan's attention pin the rule cannot honour (2 key/value heads over 4 ranks)
+    from autopar.core.placement import Shard
+    from autopar.passes.plan.planning import plan_traced, trace_for_planning
+    from autopar.passes.strategies.strategies import OpOutput, PinError
+    from autopar.core.mesh import Mesh
+    from autopar.core.options import Options
+    from tests import models
+    model = models.build("causal")
+    args, kwargs = models.inputs("causal")
+    traced = trace_for_planning(model, args, kwargs)
+    sdpa = next(n.name for n in traced.gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    with pytest.raises(PinError, match=rf"node {sdpa} .* at .*models.py.* pinned to S\(1\), which its rule does not "
+                                       r"offer on this mesh; it offers .*S\(2\)"):
+        plan_traced(traced, Mesh.of((4,)), Options(device="cpu"), {OpOutput(sdpa): (Shard(1),)})

@@ -98,6 +98,11 @@ CASES = {
                     (rnd(2, 4, 4, 8), rnd(2, 4, 4, 8), rnd(2, 4, 4, 8)), {"is_causal": True}),
     "sdpa_gqa": (aten.scaled_dot_product_attention.default,
                  (rnd(2, 4, 4, 8), rnd(2, 2, 4, 8), rnd(2, 2, 4, 8)), {"enable_gqa": True}),
+    "sdpa_causal_gqa": (aten.scaled_dot_product_attention.default,
+                        (rnd(2, 4, 8, 8), rnd(2, 2, 8, 8), rnd(2, 2, 8, 8)), {"is_causal": True, "enable_gqa": True}),
+    # more keys than query rows (a chunk of prompt after a prefix): torch's top-left alignment
+    "sdpa_causal_wide": (aten.scaled_dot_product_attention.default,
+                         (rnd(2, 4, 4, 8), rnd(2, 4, 12, 8), rnd(2, 4, 12, 8), None, 0.0, True), {}),
     "embedding": (aten.embedding.default, (rnd(16, 8), ints(16, 2, 4)), {}),
     "cross_entropy_mean": (aten.cross_entropy_loss.default, (rnd(8, 16), ints(16, 8)), {}),
     "cross_entropy_sum": (aten.cross_entropy_loss.default, (rnd(8, 16), ints(16, 8), None, 2), {}),
@@ -166,8 +171,24 @@ def test_gqa_heads_split_only_when_kv_heads_divide():
     assert any(Shard(1) in s.outputs[0].placements for s in _count("sdpa_gqa", (2, 2)))
 
 
-def test_causal_attention_does_not_split_query_rows():
-    assert all(Shard(2) not in s.outputs[0].placements for s in _count("sdpa_causal"))
+def test_causal_attention_splits_query_rows_with_keys_whole():
+    # context parallelism: every rank's rows against all keys, its own offset mask
+    # (test_every_strategy_reproduces_the_op checks each block's result)
+    rows = [s for s in _count("sdpa_causal", (1, 4)) if s.outputs[0].placements == (R, Shard(2))]
+    assert rows and all(s.inputs[1].placements == (R, R) for s in rows)
+    assert any(s.outputs[0].placements == (Shard(2), Shard(2)) for s in _count("sdpa_causal_gqa"))
+
+
+@pytest.mark.parametrize("rows", [7, 10])
+def test_causal_rows_split_unevenly_are_exact(rows):
+    # 7 or 10 query rows over 4 ranks: torch.chunk blocks of 2 or 3, the last one short
+    q, k, v = rnd(1, 2, rows, 8), rnd(1, 2, rows, 8), rnd(1, 2, rows, 8)
+    op = aten.scaled_dot_product_attention.default
+    call, _ = op_call_of(op, (q, k, v), {"is_causal": True})
+    split = [s for s in expand(rule_for(op)(call), call, (4,), uneven=True) if s.outputs[0].placements == (Shard(2),)]
+    assert len(split) == 1
+    torch.testing.assert_close(run_sharded(op, (q, k, v), {"is_causal": True}, split[0], (4,))[0],
+                               op(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
 
 
 def test_mean_gives_average_partial_and_sum_gives_sum_partial():

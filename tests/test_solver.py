@@ -16,6 +16,7 @@ from autopar.core.kinds import NodeKind
 from autopar.cost_models import comm, compute
 from autopar.cost_models.devices import preset
 from autopar.core.placement import TensorMeta
+from autopar.passes.plan.hand_plans import STYLES
 from tests import models
 from tests.models import MLP
 
@@ -132,7 +133,7 @@ def test_solver_never_costs_more_than_hand_plans(name, mesh):
     args, kwargs = models.inputs(name, batch=4)
     device = _cheap_comm()
     auto = _plan(model, args, kwargs, mesh=mesh, device=device)
-    for style in ("megatron", "data_parallel", "dp_tp", "fsdp"):
+    for style in STYLES:  # the context-parallel styles too: their attention is pinned, autopar's free
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hand = hand_plan(model, args, kwargs, mesh=mesh, style=style, device=device)
@@ -253,6 +254,6 @@ def test_no_plan_of_the_search_space_costs_less_than_the_proven_bound(solver):
     plan = _plan(model, args, kwargs, mesh=(2, 2), device="h100", solver=solver)
     bound = plan.solver.bound_s
     assert bound is not None and bound <= plan.solver.objective_s * (1 + 1e-9), plan.solver
-    for style in ("data_parallel", "megatron", "dp_tp", "fsdp"):
+    for style in STYLES:
         hand = autopar.hand_plan(model, args, kwargs, mesh=(2, 2), style=style, device="h100")
         assert autopar.evaluate(hand, device="h100").total_s >= bound * (1 - 1e-9), style

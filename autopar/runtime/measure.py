@@ -98,8 +98,9 @@ def samples_of(graph: AnnotatedGraph, mesh_shape: tuple[int, ...]) -> list[OpSam
             outs = tuple(TensorMeta(x.local_shape(mesh_shape), x.meta.dtype) for x in s.outputs)
             key = compute_key(n.call.target, ins, outs)
             if key not in seen:
-                target, args = localize_call(n.call.target, n.call.args, s.inputs, s.outputs, mesh_shape, origin)
-                seen[key] = OpSample(key, target, args, n.call.kwargs, ins, outs)
+                target, args, kwargs = localize_call(n.call.target, n.call.args, n.call.kwargs, s.inputs,
+                                                     s.outputs, mesh_shape, origin)
+                seen[key] = OpSample(key, target, args, kwargs, ins, outs)
     return list(seen.values())
 
 

@@ -78,8 +78,8 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
                 if sizes_done:
                     sizes = local_sizes(graph, args[1], choice[node.name].outputs[0], mesh_shape)
                     args = (args[0], sizes) + tuple(args[2:])
-                target, args = localize_call(target, tuple(args), choice[node.name].inputs,
-                                             choice[node.name].outputs, mesh_shape, coords, sizes_done)
+                target, args, kwargs = localize_call(target, tuple(args), kwargs, choice[node.name].inputs,
+                                                     choice[node.name].outputs, mesh_shape, coords, sizes_done)
             if device is not None and isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": device}
             target = LOCAL_TARGET.get(target, target)

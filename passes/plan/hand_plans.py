@@ -15,6 +15,17 @@ plan here is therefore the *best* plan of its style, a strict baseline.
     dp_tp          Megatron on the last mesh axis, data parallel on the others
     fsdp           every parameter stored split along its first dim over the whole mesh
                    (ZeRO-3) and gathered where it is used; inputs split by batch
+
+Context parallelism (torchtitan's and Megatron's, with keys and values all-gathered):
+the inputs split along the sequence (dim 1) and every attention keeps its query rows
+split the same way, its keys and values gathered (passes/rules/nn.py sdpa); the solver
+lays out the rest.
+
+    cp             parameters replicated; sequence over the whole mesh
+    dp_cp          parameters replicated; batch over the outer axes, sequence over the last
+    fsdp_cp        parameters as fsdp; sequence over the whole mesh
+    tp_cp          Megatron on the last axis (attention split by heads there), sequence
+                   over the others
 """
 
 from __future__ import annotations
@@ -24,11 +35,15 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Placement, R, Shard
+from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, canonical
 from autopar.passes.plan.planning import options_with, plan_traced, trace_for_planning
+from autopar.passes.strategies.strategies import OpOutput
+
+aten = torch.ops.aten
 
 ROW_PARALLEL = re.compile(r"(o_proj|down_proj|c_proj|out_proj|fc2|dense_4h_to_h|attention\.output\.dense|"
                           r"\.output\.dense|wo|w2)$")
@@ -38,6 +53,8 @@ ROW_PARALLEL = re.compile(r"(o_proj|down_proj|c_proj|out_proj|fc2|dense_4h_to_h|
 class HandLayout:
     params: dict[str, tuple[Placement, ...]]  # state-dict key -> placements per mesh axis
     batch_axes: tuple[int, ...]  # mesh axes the inputs' dim 0 is split over
+    seq_axes: tuple[int, ...] = ()  # mesh axes the inputs' dim 1 and attention's query rows are split over
+    head_axes: tuple[int, ...] = ()  # mesh axes attention is split by heads over (tensor parallel)
 
 
 def _kind(module: nn.Module) -> Optional[str]:
@@ -95,34 +112,101 @@ def dp_tp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
 
 def fsdp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
     ndim, ways = len(mesh_shape), prod(mesh_shape)
-    all_axes = tuple(range(ndim))
+    all_axes = _all_axes(mesh_shape)
     params = {n: _on(all_axes, Shard(0), mesh_shape) if p.ndim and p.shape[0] % ways == 0 else (R,) * ndim
               for n, p in model.named_parameters(remove_duplicate=False)}
     return HandLayout(params, all_axes)
 
 
+def _all_axes(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(range(len(mesh_shape)))
+
+
+def _replicated(model: nn.Module, mesh_shape: tuple[int, ...]) -> dict:
+    return {n: (R,) * len(mesh_shape) for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def cp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
+    return HandLayout(_replicated(model, mesh_shape), (), seq_axes=_all_axes(mesh_shape))
+
+
+def dp_cp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
+    ndim = len(mesh_shape)
+    return HandLayout(_replicated(model, mesh_shape), tuple(range(ndim - 1)), seq_axes=(ndim - 1,))
+
+
+def fsdp_cp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
+    return HandLayout(fsdp(model, mesh_shape).params, (), seq_axes=_all_axes(mesh_shape))
+
+
+def tp_cp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
+    ndim = len(mesh_shape)
+    return HandLayout(tensor_parallel_params(model, mesh_shape, (ndim - 1,)), (), seq_axes=tuple(range(ndim - 1)),
+                      head_axes=(ndim - 1,))
+
+
 STYLES: dict[str, Callable[[nn.Module, tuple[int, ...]], HandLayout]] = {
-    "data_parallel": data_parallel, "megatron": megatron, "dp_tp": dp_tp, "fsdp": fsdp}
+    "data_parallel": data_parallel, "megatron": megatron, "dp_tp": dp_tp, "fsdp": fsdp,
+    "cp": cp, "dp_cp": dp_cp, "fsdp_cp": fsdp_cp, "tp_cp": tp_cp}
 
 
-def input_pins(traced, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...]) -> dict[int, tuple]:
-    """User input index -> placements: dim 0 split over `batch_axes` where it divides."""
-    ways = prod(mesh_shape[a] for a in batch_axes)
+def _split(meta: TensorMeta, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> tuple:
+    """`placements` where the tensor takes them (evenly, or torch.chunk blocks on one axis
+    leaving no rank empty), else replicated."""
+    spec = Spec(canonical(placements, meta.shape, mesh_shape), meta)
+    return spec.placements if spec.fits(mesh_shape, uneven=True) else (R,) * len(mesh_shape)
+
+
+def _layout(dims: dict[int, tuple[int, ...]], ndim: int, mesh_shape: tuple[int, ...]) -> tuple[Placement, ...]:
+    """Tensor dim -> the mesh axes splitting it, as placements per mesh axis (dims the
+    tensor lacks are dropped)."""
+    out: list[Placement] = [R] * len(mesh_shape)
+    for dim, axes in dims.items():
+        for a in axes:
+            if dim < ndim and mesh_shape[a] > 1:
+                out[a] = Shard(dim)
+    return tuple(out)
+
+
+def input_pins(traced, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...],
+               seq_axes: tuple[int, ...] = ()) -> dict[int, tuple]:
+    """User input index -> placements: dim 0 split over `batch_axes`, dim 1 over
+    `seq_axes`, where the input takes the split."""
     pins = {}
     for gi in traced.inputs:
         if gi.kind == "user_input":
-            split = batch_axes and gi.meta.ndim and gi.meta.shape[0] % ways == 0
-            pins[gi.target] = _on(batch_axes if split else (), Shard(0), mesh_shape)
+            want = _layout({0: batch_axes, 1: seq_axes}, gi.meta.ndim, mesh_shape)
+            pins[gi.target] = _split(gi.meta, want, mesh_shape)
+    return pins
+
+
+def attention_pins(traced, mesh_shape: tuple[int, ...], layout: HandLayout) -> dict[OpOutput, tuple]:
+    """Every attention's output [B, H, L, E] split by batch, heads and query rows over the
+    layout's axes (context parallelism), where it takes the split; none without seq_axes."""
+    if not layout.seq_axes:
+        return {}
+    pins = {}
+    for node in traced.gm.graph.nodes:
+        if node.target is aten.scaled_dot_product_attention.default:
+            meta = TensorMeta.of(node.meta["val"])
+            kv_heads = node.args[1].meta["val"].shape[1]
+            # heads split where the key/value heads divide too (else replicated there, as
+            # Megatron keeps key/value heads whole when there are fewer than ranks)
+            heads = tuple(a for a in layout.head_axes if kv_heads % mesh_shape[a] == 0)
+            want = _layout({0: layout.batch_axes, 1: heads, 2: layout.seq_axes}, meta.ndim, mesh_shape)
+            if _split(meta, want, mesh_shape) == want:  # else the solver lays it out
+                pins[OpOutput(node.name)] = want
     return pins
 
 
 def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str) -> dict:
-    """Parameter and user-input layouts of `style` for the traced model (the `pinned`
-    argument of autopar.passes.plan.planning.plan_traced)."""
+    """Parameter, user-input and attention layouts of `style` for the traced model (the
+    `pinned` argument of autopar.passes.plan.planning.plan_traced)."""
     if style not in STYLES:
         raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
     layout = STYLES[style](model, mesh_shape)
-    return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes)}
+    return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes, layout.seq_axes),
+            **attention_pins(traced, mesh_shape, layout)}
 
 
 def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any,

@@ -115,8 +115,8 @@ def run_blocks(target: Any, args: tuple, kwargs: dict, strategy: Strategy, mesh_
         for k, i in enumerate(tensor_pos):
             local_leaves[i] = blocks[k][coords]
         largs, lkwargs = _compat.tree_unflatten(local_leaves, tree)
-        local_target, largs = localize_call(target, tuple(largs), strategy.inputs, strategy.outputs, mesh_shape,
-                                            coords)
+        local_target, largs, lkwargs = localize_call(target, tuple(largs), lkwargs, strategy.inputs,
+                                                     strategy.outputs, mesh_shape, coords)
         out = local_target(*largs, **lkwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for j, o in enumerate(outs):

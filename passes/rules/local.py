@@ -11,6 +11,11 @@ do not:
                          vocab-parallel embedding): rows [start, start + local rows) live
                          here; ids outside look up nothing and give zeros, so the ranks'
                          outputs sum to the full lookup (the rule's output is P)
+    causal sdpa          with its query rows split (context parallelism, keys and values
+                         whole), causal_rows_attention: the rank's rows [start, start +
+                         local rows) see keys up to their own global position, an
+                         explicit mask offset by `start` (is_causal would align the
+                         block's first row with key 0)
 
 The rewrite (passes/lower/rewrite.py), the block-by-block runner (passes/rules/blockwise.py), rule discovery and
 the runtime's measurements all run ops through localize_call, so a rank, the simulator
@@ -47,23 +52,38 @@ def localize_args(target: Any, args: tuple, outputs: tuple, mesh_shape: tuple[in
     return args
 
 
-def localize_call(target: Any, args: tuple, inputs: tuple, outputs: tuple, mesh_shape: tuple[int, ...],
-                  coords: Optional[tuple[int, ...]], sizes_done: bool = False) -> tuple[Any, tuple]:
-    """The (target, args) the rank at `coords` runs for a node under a strategy with
-    these input and output specs: shape arguments made local (unless `sizes_done`:
+def localize_call(target: Any, args: tuple, kwargs: dict, inputs: tuple, outputs: tuple,
+                  mesh_shape: tuple[int, ...], coords: Optional[tuple[int, ...]], sizes_done: bool = False
+                  ) -> tuple[Any, tuple, dict]:
+    """The (target, args, kwargs) the rank at `coords` runs for a node under a strategy
+    with these input and output specs: shape arguments made local (unless `sizes_done`:
     local_sizes made them so), and ops whose sharded form is another op replaced."""
     if not sizes_done:
         args = localize_args(target, args, outputs, mesh_shape, coords)
     if target is aten.squeeze.default and inputs:
         # squeeze() drops every unit dim, and a dim split to one element per rank is a unit
         # dim locally: drop only the dims that are unit dims of the whole tensor
-        return aten.squeeze.dims, (args[0], [d for d, n in enumerate(inputs[0].meta.shape) if n == 1])
+        return aten.squeeze.dims, (args[0], [d for d, n in enumerate(inputs[0].meta.shape) if n == 1]), kwargs
     if target is aten.embedding.default and inputs and inputs[0].shard_axes(0):
-        if coords is None:
-            raise ValueError("a vocabulary-split embedding needs the rank's mesh coordinates")
-        start = block_index(inputs[0], mesh_shape, coords)[0].start
-        return embedding_block, (args[0], args[1], start) + tuple(args[2:])
-    return target, args
+        start = _block_start(inputs[0], 0, mesh_shape, coords, "a vocabulary-split embedding")
+        return embedding_block, (args[0], args[1], start) + tuple(args[2:]), kwargs
+    if target is aten.scaled_dot_product_attention.default and inputs and inputs[0].shard_axes(2) \
+            and sdpa_is_causal(args, kwargs):
+        start = _block_start(inputs[0], 2, mesh_shape, coords, "causal attention split along the sequence")
+        return causal_rows_attention, (start,) + tuple(args), kwargs
+    return target, args, kwargs
+
+
+def sdpa_is_causal(args: tuple, kwargs: dict) -> bool:
+    """sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale, enable_gqa)."""
+    return bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+
+
+def _block_start(spec: Any, dim: int, mesh_shape: tuple[int, ...], coords: Optional[tuple[int, ...]],
+                 what: str) -> int:
+    if coords is None:
+        raise ValueError(f"{what} needs the rank's mesh coordinates")
+    return block_index(spec, mesh_shape, coords)[dim].start
 
 
 def embedding_block(weight: torch.Tensor, indices: torch.Tensor, start: int, padding_idx: int = -1,
@@ -74,3 +94,16 @@ def embedding_block(weight: torch.Tensor, indices: torch.Tensor, start: int, pad
     pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
     out = aten.embedding.default(weight, local.clamp(0, rows - 1), pad, scale_grad_by_freq, sparse)
     return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def causal_rows_attention(start: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = True,
+                          *, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal sdpa of the query rows [start, start + rows) against all the keys: row i
+    sees key j where j <= start + i, as torch's is_causal (top-left aligned) has it for
+    the whole; `attn_mask` is always None here (torch refuses it with is_causal)."""
+    rows, keys = query.shape[-2], key.shape[-2]
+    positions = start + torch.arange(rows, device=query.device)
+    visible = torch.arange(keys, device=query.device) <= positions.unsqueeze(-1)
+    return aten.scaled_dot_product_attention.default(query, key, value, visible, dropout_p, False,
+                                                     scale=scale, enable_gqa=enable_gqa)

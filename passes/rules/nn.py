@@ -64,8 +64,10 @@ def _mask_placement(mask_shape: tuple[int, ...], out_dim: int, out_ndim: int) ->
 @register(aten.scaled_dot_product_attention.default)
 def sdpa(call: OpCall) -> list[AxisRule]:
     """sdpa(q[B,H,L,E], k[B,Hk,S,E], v[B,Hk,S,Ev], mask?): batch and heads split
-    freely (GQA keeps its q-to-kv head ratio per chunk); query rows split when the
-    mask is explicit, with k and v whole."""
+    freely (GQA keeps its q-to-kv head ratio per chunk); query rows split with k and v
+    whole (context parallelism by gathered keys and values): an explicit mask splits
+    with the rows, and a causal one (is_causal) becomes each block's own offset mask
+    (passes/rules/local.py causal_rows_attention)."""
     q = call.inputs[0]
     has_mask = len(call.inputs) == 4
     mask = call.inputs[3].shape if has_mask else ()
@@ -79,8 +81,7 @@ def sdpa(call: OpCall) -> list[AxisRule]:
     rules = [AxisRule((R,) * len(call.inputs), (R,))]
     rules.append(rule(Shard(0), Shard(0), 0))
     rules.append(rule(Shard(1), Shard(1), 1))
-    if not call.arg(5, "is_causal", False):
-        rules.append(rule(Shard(2), R, 2))
+    rules.append(rule(Shard(2), R, 2))
     return rules
 
 

@@ -12,6 +12,8 @@ also be split in whole heads, S(d/u), where the heads do not divide the axis.
    pinned layout (a parameter already sharded by an earlier plan, or a hand plan's
    parameter or input layout) is the only choice.
 2. Ops ask their rule in passes/rules for per-axis rules, expanded over the mesh.
+   An op pinned by OpOutput (a hand plan's attention layout) keeps only the strategies
+   whose first output has the pinned layout.
    An op without a hand-written rule gets the rules passes/strategies/discovery.py verifies by
    experiment; if none hold (or discovery is off) it runs replicated, and one warning
    lists all such ops.
@@ -47,6 +49,18 @@ OUTPUT = "output"
 
 class MissingRuleWarning(UserWarning):
     """Some ops had no sharding rule and were replicated."""
+
+
+@dataclass(frozen=True)
+class OpOutput:
+    """A key of `pinned` naming an op node of the traced graph (placeholders are keyed by
+    their state-dict key or input index): its first output takes the pinned layout."""
+
+    node: str
+
+
+class PinError(ValueError):
+    """A pinned op layout that none of the op's strategies has."""
 
 
 @dataclass(frozen=True)
@@ -228,8 +242,19 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                 f"{len(call.outputs)} tensor outputs")
     hand = units is not None and source == "hand"
     strategies = expand(axis_rules, call, mesh.shape, hand, units if hand else None)
+    if OpOutput(node.name) in pinned:
+        strategies = _pinned_strategies(node, strategies, tuple(pinned[OpOutput(node.name)]))
     return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
                        module_path(node), source)
+
+
+def _pinned_strategies(node: fx.Node, strategies: list[Strategy], layout: tuple[Placement, ...]) -> list[Strategy]:
+    kept = [s for s in strategies if s.outputs and s.outputs[0].placements == layout]
+    if not kept:
+        offered = sorted({"".join(map(str, s.outputs[0].placements)) for s in strategies if s.outputs})
+        raise PinError(f"{describe_node(node)} was pinned to {''.join(map(str, layout))}, which its rule does not "
+                       f"offer on this mesh; it offers {', '.join(offered)}")
+    return kept
 
 
 def module_path(node: fx.Node) -> str:
