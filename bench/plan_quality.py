@@ -2,11 +2,15 @@
 
 For GPT-2 small and a Llama-shaped model (8 layers, hidden 1024, GQA 16/4 heads) on
 meshes (1,8), (2,4) and (8,1), training and inference, prints the predicted step time of
-each hand plan (autopar/hand_plans.py: data_parallel, megatron, dp_tp, fsdp - each the
-best complete plan of its style) and of autopar's own plan, all on the meta device (no
-weights). Last line: 'worst autopar/best-hand ratio: <x>' (goal <= 1.00).
+each hand plan (passes/plan/hand_plans.py: data_parallel, megatron, dp_tp, fsdp and the
+context-parallel cp, dp_cp, fsdp_cp, tp_cp - each the best complete plan of its style)
+and of autopar's own plan, all on the meta device (no weights). Then the long-sequence
+shape: Llama-3-8B's layer (hidden 4096, 32/8 heads) stacked --long-layers deep, one
+sequence of --long-seq tokens, bf16, training under a 20 GiB budget on (8,) and (2,4).
+A style no plan of which fits the budget prints "-". Last line: 'worst autopar/best-hand
+ratio: <x>' (goal <= 1.00).
 
-    python bench/plan_quality.py [--device h100] [--batch 8] [--seq 512]
+    python bench/plan_quality.py [--device h100] [--batch 8] [--seq 512] [--long-seq 32768] [--long-layers 2]
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
 from autopar.passes.plan.hand_plans import STYLES, hand_pins  # noqa: E402
+from autopar.core.errors import MemoryBudgetError  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
 from autopar.passes.plan.planning import plan_traced, trace_for_planning  # noqa: E402
@@ -26,6 +33,24 @@ from autopar.tools.zoo import build  # noqa: E402
 
 MODELS = ("gpt2-small", "llama-small")
 MESHES = ((1, 8), (2, 4), (8, 1))
+LONG_MESHES = ((8,), (2, 4))
+LONG_BUDGET = 20 * 2**30
+
+
+def row(label: str, traced, model, shape: tuple[int, ...], options: Options, styles: list[str]) -> float:
+    """Print one row (each style's and autopar's predicted ms); returns autopar/best-hand."""
+    mesh = Mesh.of(shape)
+    hands: dict[str, float] = {}
+    for style in styles:
+        try:
+            hands[style] = plan_traced(traced, mesh, options, hand_pins(model, traced, shape, style))[1].total_s
+        except MemoryBudgetError:
+            pass
+    auto = plan_traced(traced, mesh, options)[1].total_s
+    ratio = auto / min(hands.values())
+    print(f"{label} {str(shape):<7} " + " ".join(f"{hands[s] * 1e3:9.3f}" if s in hands else f"{'-':>9}"
+                                             for s in styles) + f" {auto * 1e3:9.3f} {ratio:6.3f}", flush=True)
+    return ratio
 
 
 def main() -> None:
@@ -33,12 +58,14 @@ def main() -> None:
     ap.add_argument("--device", default="h100", help="cost-model preset (default h100)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--long-seq", type=int, default=32768)
+    ap.add_argument("--long-layers", type=int, default=2)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     styles = list(STYLES)
+    header = " ".join(f"{s[:9]:>9}" for s in styles) + f" {'autopar':>9} {'ratio':>6}"
     print(f"predicted ms/step on {args.device}, batch {args.batch} x {args.seq} tokens")
-    print(f"{'model':<12} {'mode':<6} {'mesh':<7} " + " ".join(f"{s:>13}" for s in styles)
-          + f" {'autopar':>9} {'ratio':>6}")
+    print(f"{'model':<12} {'mode':<6} {'mesh':<7} " + header)
     worst = 0.0
     t0 = time.perf_counter()
     for name in MODELS:
@@ -47,16 +74,16 @@ def main() -> None:
             traced = trace_for_planning(model, a, kw)
             options = Options(device=args.device, training=training)
             for shape in MESHES:
-                mesh = Mesh.of(shape)
-                hands = {}
-                for style in styles:
-                    hands[style] = plan_traced(traced, mesh, options, hand_pins(model, traced, shape, style))[1].total_s
-                auto = plan_traced(traced, mesh, options)[1].total_s
-                ratio = auto / min(hands.values())
-                worst = max(worst, ratio)
-                print(f"{name:<12} {'train' if training else 'infer':<6} {str(shape):<7} "
-                      + " ".join(f"{hands[s] * 1e3:13.3f}" for s in styles)
-                      + f" {auto * 1e3:9.3f} {ratio:6.3f}", flush=True)
+                label = f"{name:<12} {'train' if training else 'infer':<6}"
+                worst = max(worst, row(label, traced, model, shape, options, styles))
+    print(f"\nLlama-3-8B layers x{args.long_layers}, 1 x {args.long_seq} tokens, bf16, training, "
+          f"budget {LONG_BUDGET / 2**30:.0f} GiB")
+    model, a, kw = build("llama3-8b", batch=1, seq=args.long_seq, training=True, device="meta",
+                         num_hidden_layers=args.long_layers)
+    traced = trace_for_planning(model, a, kw, torch.bfloat16)
+    options = Options(device=args.device, training=True, param_dtype=torch.bfloat16, memory_budget_bytes=LONG_BUDGET)
+    for shape in LONG_MESHES:
+        worst = max(worst, row(f"{'llama3-8b':<12} {'long':<6}", traced, model, shape, options, styles))
     print(f"({time.perf_counter() - t0:.0f} s)")
     print(f"worst autopar/best-hand ratio: {worst:.3f}")
 

@@ -277,3 +277,14 @@ def test_an_op_pinned_to_a_layout_its_rule_lacks_names_the_node_and_line():
     with pytest.raises(PinError, match=rf"node {sdpa} .* at .*models.py.* pinned to S\(1\), which its rule does not "
                                        r"offer on this mesh; it offers .*S\(2\)"):
         plan_traced(traced, Mesh.of((4,)), Options(device="cpu"), {OpOutput(sdpa): (Shard(1),)})
+
+
+def test_a_sequence_a_context_parallel_style_cannot_split_is_refused_naming_input_and_size():
+    # 10 tokens over both axes of (2, 4): an uneven split must be on one axis
+    from autopar.core.errors import HandPlanError
+    from tests import models
+    model = models.build("causal")
+    args, kwargs = models.inputs("causal", batch=2, seq=10)
+    with pytest.raises(HandPlanError, match=r"style 'cp' splits the sequence \(dim 1\) of input kwargs\['input_ids'\] "
+                                            r"\(10 positions\) 8 ways over mesh axes \(0, 1\).*dp_cp"):
+        autopar.hand_plan(model, args, kwargs, mesh=(2, 4), style="cp", device="cpu")

@@ -45,6 +45,10 @@ class MemoryBudgetError(SolverError):
         return (type(self), (self.budget_bytes, self.smallest_bytes))
 
 
+class HandPlanError(AutoparError, ValueError):
+    """A hand-plan style that does not apply to this model, input or mesh."""
+
+
 class PlanFileError(AutoparError, ValueError):
     """A plan or profile file is missing, unreadable, damaged or of another schema version."""
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from autopar.core.errors import HandPlanError
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, canonical
 from autopar.passes.plan.planning import options_with, plan_traced, trace_for_planning
@@ -169,15 +170,34 @@ def _layout(dims: dict[int, tuple[int, ...]], ndim: int, mesh_shape: tuple[int, 
 
 
 def input_pins(traced, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...],
-               seq_axes: tuple[int, ...] = ()) -> dict[int, tuple]:
-    """User input index -> placements: dim 0 split over `batch_axes`, dim 1 over
-    `seq_axes`, where the input takes the split."""
+               seq_axes: tuple[int, ...] = (), style: str = "") -> dict[int, tuple]:
+    """User input index -> placements: dim 0 split over `batch_axes` where it takes the
+    split, dim 1 over `seq_axes` (a HandPlanError where it cannot: the style's point)."""
     pins = {}
     for gi in traced.inputs:
-        if gi.kind == "user_input":
-            want = _layout({0: batch_axes, 1: seq_axes}, gi.meta.ndim, mesh_shape)
-            pins[gi.target] = _split(gi.meta, want, mesh_shape)
+        if gi.kind != "user_input":
+            continue
+        if gi.meta.ndim >= 2 and seq_axes:
+            label = traced.input_paths[gi.target] if gi.target < len(traced.input_paths) else gi.name
+            _check_sequence(gi, label, mesh_shape, seq_axes, style)
+        want = _layout({0: batch_axes, 1: seq_axes}, gi.meta.ndim, mesh_shape)
+        got = _split(gi.meta, want, mesh_shape)
+        if got != want and seq_axes:  # keep the sequence split, drop the batch one
+            got = _split(gi.meta, _layout({1: seq_axes}, gi.meta.ndim, mesh_shape), mesh_shape)
+        pins[gi.target] = got
     return pins
+
+
+def _check_sequence(gi, label: str, mesh_shape: tuple[int, ...], seq_axes: tuple[int, ...], style: str) -> None:
+    want = _layout({1: seq_axes}, gi.meta.ndim, mesh_shape)
+    if _split(gi.meta, want, mesh_shape) == want:
+        return
+    ways, n = prod(mesh_shape[a] for a in seq_axes), gi.meta.shape[1]
+    raise HandPlanError(
+        f"hand-plan style {style!r} splits the sequence (dim 1) of input {label} ({n} positions) {ways} ways over "
+        f"mesh axes {seq_axes}, which it cannot: an uneven split must be on one axis and leave no rank empty "
+        f"(blocks of {-(-n // ways)}); use a length that divides {ways}, or a style that splits the sequence "
+        "over one axis (dp_cp, tp_cp)")
 
 
 def attention_pins(traced, mesh_shape: tuple[int, ...], layout: HandLayout) -> dict[OpOutput, tuple]:
@@ -203,9 +223,9 @@ def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str)
     """Parameter, user-input and attention layouts of `style` for the traced model (the
     `pinned` argument of autopar.passes.plan.planning.plan_traced)."""
     if style not in STYLES:
-        raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
+        raise HandPlanError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
     layout = STYLES[style](model, mesh_shape)
-    return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes, layout.seq_axes),
+    return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes, layout.seq_axes, style),
             **attention_pins(traced, mesh_shape, layout)}
 
 
@@ -214,6 +234,6 @@ def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None,
     """The best complete Plan whose parameters and inputs are laid out as `style` prescribes."""
     mesh_ = Mesh.of(mesh)
     if style not in STYLES:  # before tracing: a typo should not cost a trace
-        raise ValueError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
+        raise HandPlanError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
     traced = trace_for_planning(model, args, kwargs)
     return plan_traced(traced, mesh_, options_with(None, option_overrides), hand_pins(model, traced, mesh_.shape, style))[1]

@@ -101,8 +101,11 @@ def causal_rows_attention(start: int, query: torch.Tensor, key: torch.Tensor, va
                           *, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
     """Causal sdpa of the query rows [start, start + rows) against all the keys: row i
     sees key j where j <= start + i, as torch's is_causal (top-left aligned) has it for
-    the whole; `attn_mask` is always None here (torch refuses it with is_causal)."""
-    rows, keys = query.shape[-2], key.shape[-2]
+    the whole; `attn_mask` is always None here (torch refuses it with is_causal). Keys
+    past the block's last row are seen by none of its rows: they are left out."""
+    rows = query.shape[-2]
+    keys = min(key.shape[-2], start + rows)
+    key, value = key[..., :keys, :], value[..., :keys, :]
     positions = start + torch.arange(rows, device=query.device)
     visible = torch.arange(keys, device=query.device) <= positions.unsqueeze(-1)
     return aten.scaled_dot_product_attention.default(query, key, value, visible, dropout_p, False,
