@@ -315,3 +315,31 @@ def test_a_dynamic_modules_plan_book_serves_every_range_without_a_solve(two_rank
         _check_pairs(res, rank)
         assert len(res["book"]) == 4 and res["ran"] == res["book"], res
         assert (res["solves"], res["traces"]) == (0, 4), res
+
+
+def test_causal_rows_split_follow_the_length_of_each_call():
+    # context parallelism in a plan of symbolic length: each rank's causal mask starts
+    # where its rows start in this call (blocks of 2 at 8 tokens, of 3 at 12), not where
+    # they started at the size planned for
+    from autopar.core.placement import R
+    from autopar.passes.strategies.strategies import OpOutput
+    m = models.build("causal", positions=64)
+    args, kwargs = models.inputs("causal", 4, 8)
+    tensors, _, _ = flatten_inputs(args, kwargs)
+    shapes = D.export_shapes(tensors, D.marked_dims(tensors, RANGES), {DimName.BATCH: RANGES.batch,
+                                                                      DimName.SEQ: RANGES.seq})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(m, args, kwargs, dynamic_shapes=shapes)
+    rows = {OpOutput(n.name): (R, Shard(2)) for n in traced.gm.graph.nodes if "scaled_dot" in str(n.target)}
+    assert len(rows) == 2
+    _, plan = plan_traced(traced, Mesh.of((1, 4)), Options(device=CHEAP_COMM), {0: (R, Shard(1)), 1: (R, Shard(1)),
+                                                                                **rows})
+    state = dict(m.named_parameters(remove_duplicate=False))
+    for b, s in [(4, 8), (4, 12), (2, 16)]:
+        args, kwargs = models.inputs("causal", b, s)
+        with torch.no_grad():
+            want = m(*args, **kwargs)
+            outs, _, _ = simulate(traced, plan, state, flatten_inputs(args, kwargs)[0])
+        for r, got in enumerate(outs):
+            torch.testing.assert_close(got[0], want, msg=lambda msg: f"({b}, {s}) rank {r}: {msg}")

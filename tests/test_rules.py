@@ -100,7 +100,7 @@ CASES = {
                  (rnd(2, 4, 4, 8), rnd(2, 2, 4, 8), rnd(2, 2, 4, 8)), {"enable_gqa": True}),
     "sdpa_causal_gqa": (aten.scaled_dot_product_attention.default,
                         (rnd(2, 4, 8, 8), rnd(2, 2, 8, 8), rnd(2, 2, 8, 8)), {"is_causal": True, "enable_gqa": True}),
-    # more keys than query rows (a chunk of prompt after a prefix): torch's top-left alignment
+    # more keys than query rows: torch's top-left alignment; rows split only in self-attention
     "sdpa_causal_wide": (aten.scaled_dot_product_attention.default,
                          (rnd(2, 4, 4, 8), rnd(2, 4, 12, 8), rnd(2, 4, 12, 8), None, 0.0, True), {}),
     "embedding": (aten.embedding.default, (rnd(16, 8), ints(16, 2, 4)), {}),
@@ -177,6 +177,8 @@ def test_causal_attention_splits_query_rows_with_keys_whole():
     rows = [s for s in _count("sdpa_causal", (1, 4)) if s.outputs[0].placements == (R, Shard(2))]
     assert rows and all(s.inputs[1].placements == (R, R) for s in rows)
     assert any(s.outputs[0].placements == (Shard(2), Shard(2)) for s in _count("sdpa_causal_gqa"))
+    # with more keys than queries a block's start could not be read off the keys' length
+    assert all(Shard(2) not in s.outputs[0].placements for s in _count("sdpa_causal_wide"))
 
 
 @pytest.mark.parametrize("rows", [7, 10])

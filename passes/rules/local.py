@@ -12,10 +12,12 @@ do not:
                          here; ids outside look up nothing and give zeros, so the ranks'
                          outputs sum to the full lookup (the rule's output is P)
     causal sdpa          with its query rows split (context parallelism, keys and values
-                         whole), causal_rows_attention: the rank's rows [start, start +
-                         local rows) see keys up to their own global position, an
-                         explicit mask offset by `start` (is_causal would align the
-                         block's first row with key 0)
+                         whole), causal_rows_attention: the rank's rows see keys up to
+                         their own global position, an explicit mask offset by where
+                         the block starts (is_causal would align its first row with key
+                         0). The start is worked out when the block runs, from the keys'
+                         length, so a plan of symbolic sequence length starts each block
+                         where that call's chunks do
 
 The rewrite (passes/lower/rewrite.py), the block-by-block runner (passes/rules/blockwise.py), rule discovery and
 the runtime's measurements all run ops through localize_call, so a rank, the simulator
@@ -28,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from autopar.core.placement import block_index
+from autopar.core.placement import block_index, largest_block
 
 aten = torch.ops.aten
 
@@ -69,9 +71,20 @@ def localize_call(target: Any, args: tuple, kwargs: dict, inputs: tuple, outputs
         return embedding_block, (args[0], args[1], start) + tuple(args[2:]), kwargs
     if target is aten.scaled_dot_product_attention.default and inputs and inputs[0].shard_axes(2) \
             and sdpa_is_causal(args, kwargs):
-        start = _block_start(inputs[0], 2, mesh_shape, coords, "causal attention split along the sequence")
-        return causal_rows_attention, (start,) + tuple(args), kwargs
+        if coords is None:
+            raise ValueError("causal attention split along the sequence needs the rank's mesh coordinates")
+        return causal_rows_attention, _chunk_of(inputs[0], 2, mesh_shape, coords) + tuple(args), kwargs
     return target, args, kwargs
+
+
+def _chunk_of(spec: Any, dim: int, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[int, int, int]:
+    """(which chunk, of how many, in units of) `dim` the rank at `coords` holds, as
+    block_index counts them."""
+    chunk, ways, unit = 0, 1, 1
+    for a in spec.shard_axes(dim):  # outermost first
+        chunk, ways = chunk * mesh_shape[a] + coords[a], ways * mesh_shape[a]
+        unit = max(unit, spec.placements[a].unit)
+    return chunk, ways, unit
 
 
 def sdpa_is_causal(args: tuple, kwargs: dict) -> bool:
@@ -96,15 +109,19 @@ def embedding_block(weight: torch.Tensor, indices: torch.Tensor, start: int, pad
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
-def causal_rows_attention(start: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = True,
-                          *, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-    """Causal sdpa of the query rows [start, start + rows) against all the keys: row i
-    sees key j where j <= start + i, as torch's is_causal (top-left aligned) has it for
-    the whole; `attn_mask` is always None here (torch refuses it with is_causal). Keys
-    past the block's last row are seen by none of its rows: they are left out."""
-    rows = query.shape[-2]
-    keys = min(key.shape[-2], start + rows)
+def causal_rows_attention(chunk: int, ways: int, unit: int, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                          is_causal: bool = True, *, scale: Optional[float] = None, enable_gqa: bool = False
+                          ) -> torch.Tensor:
+    """Causal self-attention of the query rows of torch.chunk block `chunk` of `ways` in
+    units of `unit` (the rule splits rows only where there are as many queries as keys,
+    so the whole length is the keys'): rows [start, start + rows), row i sees key j where
+    j <= start + i, as torch's is_causal has it for the whole; `attn_mask` is always None
+    here (torch refuses it with is_causal). Keys past the block's last row are seen by
+    none of its rows: they are left out."""
+    rows, length = query.shape[-2], key.shape[-2]
+    start = chunk * largest_block(length, ways, unit)
+    keys = min(length, start + rows)
     key, value = key[..., :keys, :], value[..., :keys, :]
     positions = start + torch.arange(rows, device=query.device)
     visible = torch.arange(keys, device=query.device) <= positions.unsqueeze(-1)

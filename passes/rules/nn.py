@@ -66,8 +66,8 @@ def sdpa(call: OpCall) -> list[AxisRule]:
     """sdpa(q[B,H,L,E], k[B,Hk,S,E], v[B,Hk,S,Ev], mask?): batch and heads split
     freely (GQA keeps its q-to-kv head ratio per chunk); query rows split with k and v
     whole (context parallelism by gathered keys and values): an explicit mask splits
-    with the rows, and a causal one (is_causal) becomes each block's own offset mask
-    (passes/rules/local.py causal_rows_attention)."""
+    with the rows, and a causal one (is_causal, as many queries as keys) becomes each
+    block's own offset mask (passes/rules/local.py causal_rows_attention)."""
     q = call.inputs[0]
     has_mask = len(call.inputs) == 4
     mask = call.inputs[3].shape if has_mask else ()
@@ -81,7 +81,10 @@ def sdpa(call: OpCall) -> list[AxisRule]:
     rules = [AxisRule((R,) * len(call.inputs), (R,))]
     rules.append(rule(Shard(0), Shard(0), 0))
     rules.append(rule(Shard(1), Shard(1), 1))
-    rules.append(rule(Shard(2), R, 2))
+    # a causal block's mask starts where its rows do, worked out from the keys' length
+    # when it runs (passes/rules/local.py): causal rows split only in self-attention
+    if not call.arg(5, "is_causal", False) or q.shape[2] == call.inputs[1].shape[2]:
+        rules.append(rule(Shard(2), R, 2))
     return rules
 
 
