@@ -34,7 +34,7 @@ _EXPORTS = {
     "MeshError": "autopar.core.errors", "InputMismatchError": "autopar.core.errors",
     "ProcessGroupError": "autopar.core.errors", "MemoryBudgetError": "autopar.core.errors",
     "PlanFileError": "autopar.core.errors", "FingerprintMismatchError": "autopar.core.errors",
-    "OptionsError": "autopar.core.errors",
+    "OptionsError": "autopar.core.errors", "HandPlanError": "autopar.core.errors", "PinError": "autopar.core.errors",
     "CollectiveError": "autopar.core.errors", "PlanningError": "autopar.core.errors",
     "evaluate": "autopar.cost_models.evaluate", "Evaluation": "autopar.cost_models.evaluate",
     "hand_plan": "autopar.passes.plan.hand_plans",

@@ -7,7 +7,8 @@ context-parallel cp, dp_cp, fsdp_cp, tp_cp - each the best complete plan of its 
 and of autopar's own plan, all on the meta device (no weights). Then the long-sequence
 shape: Llama-3-8B's layer (hidden 4096, 32/8 heads) stacked --long-layers deep, one
 sequence of --long-seq tokens, bf16, training under a 20 GiB budget on (8,) and (2,4).
-A style no plan of which fits the budget prints "-". Last line: 'worst autopar/best-hand
+A style no plan of which fits the budget, or that does not apply to the mesh (dp_cp on
+(8,1): its sequence axis has size 1), prints "-". Last line: 'worst autopar/best-hand
 ratio: <x>' (goal <= 1.00).
 
     python bench/plan_quality.py [--device h100] [--batch 8] [--seq 512] [--long-seq 32768] [--long-layers 2]
@@ -25,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from autopar.passes.plan.hand_plans import STYLES, hand_pins  # noqa: E402
-from autopar.core.errors import MemoryBudgetError  # noqa: E402
+from autopar.core.errors import HandPlanError, MemoryBudgetError  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
 from autopar.passes.plan.planning import plan_traced, trace_for_planning  # noqa: E402
@@ -44,7 +45,7 @@ def row(label: str, traced, model, shape: tuple[int, ...], options: Options, sty
     for style in styles:
         try:
             hands[style] = plan_traced(traced, mesh, options, hand_pins(model, traced, shape, style))[1].total_s
-        except MemoryBudgetError:
+        except (MemoryBudgetError, HandPlanError):  # no plan of the style fits, or the style does not apply
             pass
     auto = plan_traced(traced, mesh, options)[1].total_s
     ratio = auto / min(hands.values())

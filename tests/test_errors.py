@@ -266,7 +266,8 @@ def test_an_op_pinned_to_a_layout_its_rule_lacks_names_the_node_and_line():
     # a hand plan's attention pin the rule cannot honour (2 key/value heads over 4 ranks)
     from autopar.core.placement import Shard
     from autopar.passes.plan.planning import plan_traced, trace_for_planning
-    from autopar.passes.strategies.strategies import OpOutput, PinError
+    from autopar.core.errors import PinError
+    from autopar.passes.strategies.strategies import OpOutput
     from autopar.core.mesh import Mesh
     from autopar.core.options import Options
     from tests import models

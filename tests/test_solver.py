@@ -133,7 +133,9 @@ def test_solver_never_costs_more_than_hand_plans(name, mesh):
     args, kwargs = models.inputs(name, batch=4)
     device = _cheap_comm()
     auto = _plan(model, args, kwargs, mesh=mesh, device=device)
-    for style in STYLES:  # the context-parallel styles too: their attention is pinned, autopar's free
+    # on (1, 4) the other context-parallel styles are cp or megatron again; (2, 2) has them all
+    styles = STYLES if mesh == (2, 2) else ("megatron", "data_parallel", "dp_tp", "fsdp", "cp")
+    for style in styles:  # context-parallel styles pin attention, autopar leaves it free
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hand = hand_plan(model, args, kwargs, mesh=mesh, style=style, device=device)
@@ -257,3 +259,46 @@ def test_no_plan_of_the_search_space_costs_less_than_the_proven_bound(solver):
     for style in STYLES:
         hand = autopar.hand_plan(model, args, kwargs, mesh=(2, 2), style=style, device="h100")
         assert autopar.evaluate(hand, device="h100").total_s >= bound * (1 - 1e-9), style
+
+
+def test_context_parallel_pins_follow_what_the_inputs_take():
+    # one sequence (batch 1) on (2, 4) with dp_cp: the batch split is dropped from the
+    # inputs and the attention alike, the sequence split kept; tp_cp with 2 key/value
+    # heads over 4 ranks leaves the head axis to the solver; dp_cp on (4, 1) has nothing
+    # to split by sequence
+    from autopar.core.errors import HandPlanError
+    from autopar.core.placement import R, Shard
+    from autopar.passes.plan.hand_plans import hand_pins
+    from autopar.passes.plan.planning import trace_for_planning
+    from autopar.passes.strategies.strategies import OpOutput
+    model = models.build("causal")
+    args, kwargs = models.inputs("causal", batch=1, seq=8)
+    traced = trace_for_planning(model, args, kwargs)
+    pins = hand_pins(model, traced, (2, 4), "dp_cp")
+    attention = [v for k, v in pins.items() if isinstance(k, OpOutput)]
+    assert attention == [(R, Shard(2))] * 2 and pins[0] == pins[1] == (R, Shard(1))
+    pins = hand_pins(model, traced, (2, 4), "tp_cp")
+    assert [v for k, v in pins.items() if isinstance(k, OpOutput)] == [(Shard(2), None)] * 2
+    hand = autopar.hand_plan(model, args, kwargs, mesh=(2, 4), style="tp_cp", device="h100")
+    assert {str(n.outputs[0])[:4] for n in hand.nodes if n.op == "aten.scaled_dot_product_attention.default"} == {"S(2)"}
+    with pytest.raises(HandPlanError, match=r"'dp_cp' splits the sequence over mesh axes \(1,\), of size 1"):
+        hand_pins(model, traced, (4, 1), "dp_cp")
+
+
+def test_only_inputs_as_long_as_the_sequence_are_split_by_it():
+    # a 4-D mask [B, 1, L, L] and a [B, 16] feature input keep dim 1 whole under cp
+    from autopar.core.placement import R, Shard
+    from autopar.passes.plan.hand_plans import input_pins
+    from autopar.passes.trace.trace import trace
+
+    class WithMask(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.lin = torch.nn.Embedding(16, 8), torch.nn.Linear(16, 8)
+
+        def forward(self, ids, mask, features):
+            return self.embed(ids) * mask[:, 0, :, :1] + self.lin(features)[:, None, :]
+
+    ids, mask, feats = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 1, 8, 8), torch.randn(2, 16)
+    pins = input_pins(trace(WithMask(), (ids, mask, feats)), (4,), (), (0,), "cp")
+    assert pins == {0: (Shard(1),), 1: (R,), 2: (R,)}

@@ -49,6 +49,10 @@ class HandPlanError(AutoparError, ValueError):
     """A hand-plan style that does not apply to this model, input or mesh."""
 
 
+class PinError(AutoparError, ValueError):
+    """A pinned op layout (a hand plan's attention) that none of the op's strategies has."""
+
+
 class PlanFileError(AutoparError, ValueError):
     """A plan or profile file is missing, unreadable, damaged or of another schema version."""
 

@@ -142,6 +142,9 @@ def fsdp_cp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
 
 def tp_cp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
     ndim = len(mesh_shape)
+    if ndim < 2:
+        raise HandPlanError(f"hand-plan style 'tp_cp' puts Megatron on the last mesh axis and the sequence on the "
+                            f"others: mesh {mesh_shape} has one axis; use cp or megatron")
     return HandLayout(tensor_parallel_params(model, mesh_shape, (ndim - 1,)), (), seq_axes=tuple(range(ndim - 1)),
                       head_axes=(ndim - 1,))
 
@@ -151,11 +154,12 @@ STYLES: dict[str, Callable[[nn.Module, tuple[int, ...]], HandLayout]] = {
     "cp": cp, "dp_cp": dp_cp, "fsdp_cp": fsdp_cp, "tp_cp": tp_cp}
 
 
-def _split(meta: TensorMeta, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> tuple:
-    """`placements` where the tensor takes them (evenly, or torch.chunk blocks on one axis
-    leaving no rank empty), else replicated."""
+def _split(meta: TensorMeta, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+           uneven: bool = False) -> tuple:
+    """`placements` where the tensor takes them (evenly, or with `uneven` in torch.chunk
+    blocks on one axis leaving no rank empty), else replicated."""
     spec = Spec(canonical(placements, meta.shape, mesh_shape), meta)
-    return spec.placements if spec.fits(mesh_shape, uneven=True) else (R,) * len(mesh_shape)
+    return spec.placements if spec.fits(mesh_shape, uneven=uneven) else (R,) * len(mesh_shape)
 
 
 def _layout(dims: dict[int, tuple[int, ...]], ndim: int, mesh_shape: tuple[int, ...]) -> tuple[Placement, ...]:
@@ -169,30 +173,37 @@ def _layout(dims: dict[int, tuple[int, ...]], ndim: int, mesh_shape: tuple[int, 
     return tuple(out)
 
 
+def sequence_length(traced) -> Optional[int]:
+    """The inputs' sequence length: dim 1 of the first user input with two dims or more
+    (the token ids), as passes/trace/dynamic.py marked_dims reads it."""
+    return next((gi.meta.shape[1] for gi in traced.inputs if gi.kind == "user_input" and gi.meta.ndim >= 2), None)
+
+
 def input_pins(traced, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...],
                seq_axes: tuple[int, ...] = (), style: str = "") -> dict[int, tuple]:
-    """User input index -> placements: dim 0 split over `batch_axes` where it takes the
-    split, dim 1 over `seq_axes` (a HandPlanError where it cannot: the style's point)."""
+    """User input index -> placements: dim 0 split over `batch_axes` where it divides; with
+    `seq_axes`, dim 1 of every input as long as the sequence split over them (unevenly
+    where it must; a HandPlanError where it cannot: the style's point)."""
+    length = sequence_length(traced) if seq_axes else None
     pins = {}
     for gi in traced.inputs:
         if gi.kind != "user_input":
             continue
-        if gi.meta.ndim >= 2 and seq_axes:
-            label = traced.input_paths[gi.target] if gi.target < len(traced.input_paths) else gi.name
-            _check_sequence(gi, label, mesh_shape, seq_axes, style)
-        want = _layout({0: batch_axes, 1: seq_axes}, gi.meta.ndim, mesh_shape)
-        got = _split(gi.meta, want, mesh_shape)
-        if got != want and seq_axes:  # keep the sequence split, drop the batch one
-            got = _split(gi.meta, _layout({1: seq_axes}, gi.meta.ndim, mesh_shape), mesh_shape)
-        pins[gi.target] = got
+        batch = _split(gi.meta, _layout({0: batch_axes}, gi.meta.ndim, mesh_shape), mesh_shape)
+        pins[gi.target] = batch
+        if length is None or gi.meta.ndim < 2 or gi.meta.shape[1] != length:
+            continue
+        label = traced.input_paths[gi.target] if gi.target < len(traced.input_paths) else gi.name
+        both = _layout({0: tuple(a for a, p in enumerate(batch) if p != R), 1: seq_axes}, gi.meta.ndim, mesh_shape)
+        pins[gi.target] = _sequence_split(gi.meta, both, label, mesh_shape, seq_axes, style)
     return pins
 
 
-def _check_sequence(gi, label: str, mesh_shape: tuple[int, ...], seq_axes: tuple[int, ...], style: str) -> None:
-    want = _layout({1: seq_axes}, gi.meta.ndim, mesh_shape)
-    if _split(gi.meta, want, mesh_shape) == want:
-        return
-    ways, n = prod(mesh_shape[a] for a in seq_axes), gi.meta.shape[1]
+def _sequence_split(meta: TensorMeta, want: tuple[Placement, ...], label: str, mesh_shape: tuple[int, ...],
+                    seq_axes: tuple[int, ...], style: str) -> tuple[Placement, ...]:
+    if _split(meta, want, mesh_shape, uneven=True) == want:
+        return want
+    ways, n = prod(mesh_shape[a] for a in seq_axes), meta.shape[1]
     raise HandPlanError(
         f"hand-plan style {style!r} splits the sequence (dim 1) of input {label} ({n} positions) {ways} ways over "
         f"mesh axes {seq_axes}, which it cannot: an uneven split must be on one axis and leave no rank empty "
@@ -200,23 +211,33 @@ def _check_sequence(gi, label: str, mesh_shape: tuple[int, ...], seq_axes: tuple
         "over one axis (dp_cp, tp_cp)")
 
 
-def attention_pins(traced, mesh_shape: tuple[int, ...], layout: HandLayout) -> dict[OpOutput, tuple]:
-    """Every attention's output [B, H, L, E] split by batch, heads and query rows over the
-    layout's axes (context parallelism), where it takes the split; none without seq_axes."""
-    if not layout.seq_axes:
-        return {}
+def attention_pins(traced, mesh_shape: tuple[int, ...], layout: HandLayout, batch_split: bool
+                   ) -> dict[OpOutput, tuple]:
+    """Every attention's output [B, H, L, E] with its query rows split over the layout's
+    sequence axes (context parallelism), its batch over the batch axes where the inputs'
+    batch was split (`batch_split`) and its heads over the head axes where the key/value
+    heads divide too (elsewhere the solver chooses: None)."""
     pins = {}
     for node in traced.gm.graph.nodes:
-        if node.target is aten.scaled_dot_product_attention.default:
-            meta = TensorMeta.of(node.meta["val"])
-            kv_heads = node.args[1].meta["val"].shape[1]
-            # heads split where the key/value heads divide too (else replicated there, as
-            # Megatron keeps key/value heads whole when there are fewer than ranks)
-            heads = tuple(a for a in layout.head_axes if kv_heads % mesh_shape[a] == 0)
-            want = _layout({0: layout.batch_axes, 1: heads, 2: layout.seq_axes}, meta.ndim, mesh_shape)
-            if _split(meta, want, mesh_shape) == want:  # else the solver lays it out
-                pins[OpOutput(node.name)] = want
+        if node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        meta = TensorMeta.of(node.meta["val"])
+        kv_heads = node.args[1].meta["val"].shape[1]
+        heads = tuple(a for a in layout.head_axes if kv_heads % mesh_shape[a] == 0 and meta.shape[1] % mesh_shape[a] == 0)
+        want: list[Optional[Placement]] = list(_layout({0: layout.batch_axes if batch_split else (), 1: heads,
+                                                        2: layout.seq_axes}, meta.ndim, mesh_shape))
+        for a in layout.head_axes:
+            if a not in heads and mesh_shape[a] > 1:
+                want[a] = None  # heads that do not divide: any layout there
+        pins[OpOutput(node.name)] = tuple(want)
     return pins
+
+
+def _check_sequence_axes(layout: HandLayout, mesh_shape: tuple[int, ...], style: str) -> None:
+    if layout.seq_axes and prod(mesh_shape[a] for a in layout.seq_axes) == 1:
+        raise HandPlanError(f"hand-plan style {style!r} splits the sequence over mesh axes {layout.seq_axes}, of size 1 "
+                            f"on mesh {mesh_shape}: nothing to split; use a mesh whose sequence axes are larger, or "
+                            "another style")
 
 
 def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str) -> dict:
@@ -225,8 +246,12 @@ def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str)
     if style not in STYLES:
         raise HandPlanError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
     layout = STYLES[style](model, mesh_shape)
-    return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes, layout.seq_axes, style),
-            **attention_pins(traced, mesh_shape, layout)}
+    if not layout.seq_axes:
+        return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes)}
+    _check_sequence_axes(layout, mesh_shape, style)
+    inputs = input_pins(traced, mesh_shape, layout.batch_axes, layout.seq_axes, style)
+    batch_split = any(Shard(0) in p for p in inputs.values())
+    return {**layout.params, **inputs, **attention_pins(traced, mesh_shape, layout, batch_split)}
 
 
 def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any,

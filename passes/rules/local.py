@@ -117,13 +117,11 @@ def causal_rows_attention(chunk: int, ways: int, unit: int, query: torch.Tensor,
     units of `unit` (the rule splits rows only where there are as many queries as keys,
     so the whole length is the keys'): rows [start, start + rows), row i sees key j where
     j <= start + i, as torch's is_causal has it for the whole; `attn_mask` is always None
-    here (torch refuses it with is_causal). Keys past the block's last row are seen by
-    none of its rows: they are left out."""
+    here (torch refuses it with is_causal). Every block reads all the keys (the last
+    needs them all), so every rank runs the shapes rank 0 runs, which the profile times."""
     rows, length = query.shape[-2], key.shape[-2]
     start = chunk * largest_block(length, ways, unit)
-    keys = min(length, start + rows)
-    key, value = key[..., :keys, :], value[..., :keys, :]
     positions = start + torch.arange(rows, device=query.device)
-    visible = torch.arange(keys, device=query.device) <= positions.unsqueeze(-1)
+    visible = torch.arange(length, device=query.device) <= positions.unsqueeze(-1)
     return aten.scaled_dot_product_attention.default(query, key, value, visible, dropout_p, False,
                                                      scale=scale, enable_gqa=enable_gqa)

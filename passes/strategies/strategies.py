@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from autopar import _compat
-from autopar.core.errors import describe_node
+from autopar.core.errors import PinError, describe_node
 from autopar.core.kinds import NodeKind
 from autopar.core.log import logged
 from autopar.core.mesh import Mesh
@@ -54,13 +54,10 @@ class MissingRuleWarning(UserWarning):
 @dataclass(frozen=True)
 class OpOutput:
     """A key of `pinned` naming an op node of the traced graph (placeholders are keyed by
-    their state-dict key or input index): its first output takes the pinned layout."""
+    their state-dict key or input index): its first output takes the pinned layout
+    (None on a mesh axis: any placement there)."""
 
     node: str
-
-
-class PinError(ValueError):
-    """A pinned op layout that none of the op's strategies has."""
 
 
 @dataclass(frozen=True)
@@ -248,12 +245,16 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                        module_path(node), source)
 
 
-def _pinned_strategies(node: fx.Node, strategies: list[Strategy], layout: tuple[Placement, ...]) -> list[Strategy]:
-    kept = [s for s in strategies if s.outputs and s.outputs[0].placements == layout]
+def _pinned_strategies(node: fx.Node, strategies: list[Strategy], layout: tuple[Optional[Placement], ...]
+                       ) -> list[Strategy]:
+    """The strategies whose first output has `layout` (None on an axis: any placement there)."""
+    kept = [s for s in strategies if s.outputs and len(layout) == len(s.outputs[0].placements)
+            and all(w is None or w == p for w, p in zip(layout, s.outputs[0].placements))]
     if not kept:
         offered = sorted({"".join(map(str, s.outputs[0].placements)) for s in strategies if s.outputs})
-        raise PinError(f"{describe_node(node)} was pinned to {''.join(map(str, layout))}, which its rule does not "
-                       f"offer on this mesh; it offers {', '.join(offered)}")
+        pinned = "".join("*" if p is None else str(p) for p in layout)
+        raise PinError(f"{describe_node(node)} was pinned to {pinned}, which its rule does not offer on this mesh; "
+                       f"it offers {', '.join(offered)}")
     return kept
 
 
