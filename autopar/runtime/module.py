@@ -58,6 +58,7 @@ from autopar.runtime.groups import MeshGroups, mesh_groups
 from autopar.runtime.checkpoint_view import CheckpointView, ShardView
 from autopar.runtime.measure import default_profile_path, profile_for_mesh
 from autopar.runtime.measured_plan import measured_plan
+from autopar.runtime.metrics import StepMetrics, step_meter
 from autopar.runtime.agree import agreed_plan, attempt
 from autopar.runtime.shipping import Inputs, shared_trace
 from autopar.runtime.step import Stages, one_program_step
@@ -120,6 +121,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self.agreed_calls = 0  # calls whose inputs this module agreed between the ranks itself
         self._caller_agrees = False  # inside agreed_by_caller()
         self._world = dist.get_world_size(self.span) if dist.is_initialized() else 1
+        self.meter = step_meter(model, options, self.device, self._world)
 
     def train(self, mode: bool = True) -> "ParallelModule":
         """Training or evaluation mode, for this module and the model it runs: a mode
@@ -132,6 +134,16 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     @property
     def plan(self) -> Plan:
         return self.stages.plan if self.stages is not None else self._require_current().plan
+
+    @property
+    def last_step(self) -> Optional[StepMetrics]:
+        """The last finished step's time, tokens/s per device, MFU and peak memory
+        (autopar/runtime/metrics.py): a step ends when the next forward starts, so None
+        until the second call."""
+        if self.stages is not None:
+            raise PipelineError("per-step metrics are measured for plans of one program; a pipelined plan's "
+                                "are not yet")
+        return self.meter.last
 
     @property
     def plan_book(self) -> PlanBook:
@@ -165,6 +177,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
                                "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
         self.current = compiled
+        self.meter.begin(compiled.plan, compiled.traced, tensors, local_inputs, torch.is_grad_enabled())
         if torch.is_grad_enabled():  # this step's backward reduces this program's buckets
             compiled.buckets.arm()
             self._armed = compiled.buckets
