@@ -9,7 +9,8 @@ device memory (nominal; the detected device's own where it is read).
 
 Options.device="auto" (the default) reads the accelerator: a CUDA device's name picks its
 preset (A100, H100, H200, B200) and its memory is the one torch reports; without CUDA the
-CPU preset. register_preset adds a device of your own."""
+CPU preset. register_preset adds a device of your own. The detected device's memory is
+also the default memory budget (memory_budget below)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Mapping, Optional
 import torch
 
 from autopar.core.errors import OptionsError
+from autopar.core.options import DEVICE_BUDGET_FRACTION, MEMORY_AUTO
 from autopar.core.links import Link, LinkKind  # noqa: F401 - Link is re-exported (it was defined here)
 from autopar.core.mesh import Mesh
 
@@ -123,3 +125,23 @@ def detected_device() -> DeviceSpec:
                       "with a preset or a DeviceSpec (cost_models.devices.register_preset)", stacklevel=3)
         key = "a100"
     return replace(PRESETS[key], memory_bytes=torch.cuda.get_device_properties(index).total_memory, detected=name)
+
+
+def memory_budget(budget: "int | str | None", device: DeviceSpec) -> Optional[int]:
+    """Options.memory_budget_bytes made a number: "auto" is DEVICE_BUDGET_FRACTION of the
+    memory of an accelerator device="auto" detected, and no bound for a CPU or for a named
+    preset (an offline plan for another machine); None is no bound."""
+    if budget != MEMORY_AUTO:
+        return budget  # type: ignore[return-value]
+    if device.detected and device.memory_bytes:
+        return int(device.memory_bytes * DEVICE_BUDGET_FRACTION)
+    return None
+
+
+def budget_words(budget: "int | str | None", device: DeviceSpec) -> str:
+    """What the summary and a MemoryBudgetError say of a budget that came from the device."""
+    bound = memory_budget(budget, device)
+    if budget != MEMORY_AUTO or bound is None:
+        return ""
+    return (f"memory budget {bound / 2**30:.1f} GiB per rank: {DEVICE_BUDGET_FRACTION:.0%} of the detected "
+            f"{device.detected}'s {device.memory_bytes / 2**30:.1f} GiB")

@@ -66,3 +66,25 @@ def test_a_registered_preset_is_found_by_name():
         assert _plan(device="my-accelerator").device == "my-accelerator"
     finally:
         del devices.PRESETS["my-accelerator"]
+
+
+def test_the_detected_gpus_memory_is_the_default_budget(monkeypatch):
+    # 90 % of what torch reports for the card, stated in the summary and in the refusal;
+    # a named preset (an offline plan for another machine) and the CPU stay unbounded
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 79 * 2**30)
+    assert autopar.Options().memory_budget_bytes == "auto"
+    assert devices.memory_budget("auto", devices.detected_device()) == int(79 * 2**30 * 0.9)
+    assert "memory budget 71.1 GiB per rank: 90% of the detected NVIDIA H100 80GB HBM3's 79.0 GiB" in \
+        _plan().summary()
+    assert devices.memory_budget("auto", devices.preset("h100")) is None
+    assert "memory budget" not in _plan(device="h100").summary()
+    assert devices.memory_budget(None, devices.detected_device()) is None
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 4 * 1024)  # a card of 4 KiB: nothing fits
+    with pytest.raises(autopar.MemoryBudgetError, match=r"per rank \(the default memory budget 0.0 GiB per rank: "
+                                                        r"90% of the detected NVIDIA H100 80GB HBM3's"):
+        _plan()
+
+
+def test_a_budget_that_is_no_number_is_refused():
+    with pytest.raises(autopar.OptionsError, match=r"memory_budget_bytes='lots'.*None for no bound, or 'auto'"):
+        autopar.Options(memory_budget_bytes="lots")

@@ -35,14 +35,15 @@ class SolverError(AutoparError):
 class MemoryBudgetError(SolverError):
     """No plan fits the per-rank memory budget; carries the budget and the smallest footprint."""
 
-    def __init__(self, budget: int, smallest: int) -> None:
-        self.budget_bytes, self.smallest_bytes = budget, smallest
-        super().__init__(f"no plan fits the memory budget of {budget} bytes ({budget / 2**20:.2f} MiB) per rank; "
-                         f"the smallest footprint found is {smallest} bytes ({smallest / 2**20:.2f} MiB). Raise "
-                         "Options.memory_budget_bytes or use a larger mesh (more ranks to split over)")
+    def __init__(self, budget: int, smallest: int, origin: str = "") -> None:
+        self.budget_bytes, self.smallest_bytes, self.origin = budget, smallest, origin
+        where = f" (the default {origin})" if origin else ""
+        super().__init__(f"no plan fits the memory budget of {budget} bytes ({budget / 2**20:.2f} MiB) per rank"
+                         f"{where}; the smallest footprint found is {smallest} bytes ({smallest / 2**20:.2f} MiB). "
+                         "Raise Options.memory_budget_bytes or use a larger mesh (more ranks to split over)")
 
     def __reduce__(self):
-        return (type(self), (self.budget_bytes, self.smallest_bytes))
+        return (type(self), (self.budget_bytes, self.smallest_bytes, self.origin))
 
 
 class HandPlanError(AutoparError, ValueError):

@@ -23,6 +23,11 @@ from autopar.core.links import link_overrides
 
 # bytes of data-parallel gradients all-reduced together (the runtime's buckets, and the
 # cost model's overlap credit for them)
+# Options.memory_budget_bytes="auto": this share of the detected accelerator's memory (the
+# rest for the CUDA context, NCCL's buffers, the allocator's fragmentation and what the
+# cost model does not count)
+MEMORY_AUTO = "auto"
+DEVICE_BUDGET_FRACTION = 0.9
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 # bytes of collectives in flight at once on a rank, by default: the gathered parameters of a few layers
 INFLIGHT_CAP_BYTES = 256 * 2**20
@@ -92,9 +97,11 @@ class Options:
     # seconds before a collective that does not complete raises instead of hanging
     collective_timeout_s: float = 300.0
     # per-rank bound on parameters, gradients, optimiser state and activations (bytes);
-    # None for no bound. With a bound, parameters may be stored sharded and gathered
-    # where they are used (ZeRO-3 / FSDP style)
-    memory_budget_bytes: Optional[int] = None
+    # None for no bound; "auto" (the default): DEVICE_BUDGET_FRACTION of the memory of the
+    # accelerator device="auto" detected, no bound on a CPU or a named preset. With a
+    # bound, parameters may be stored sharded and gathered where they are used (ZeRO-3 /
+    # FSDP style) and blocks recomputed
+    memory_budget_bytes: "int | str | None" = MEMORY_AUTO
     # optimiser state per parameter element in training: AdamW keeps two fp32 values
     optimizer_state_bytes: int = 8
     # collectives start as early as their input exists and are waited on just before
@@ -181,9 +188,10 @@ class Options:
         for name, low in (("optimizer_state_bytes", 0), ("max_inflight_bytes", 1)):
             if not _is_int(getattr(self, name), low):
                 raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not an int >= {low}")
-        if self.memory_budget_bytes is not None and not _is_int(self.memory_budget_bytes, 1):
+        if self.memory_budget_bytes not in (None, MEMORY_AUTO) and not _is_int(self.memory_budget_bytes, 1):
             raise OptionsError(f"Options.memory_budget_bytes={self.memory_budget_bytes!r} is not a positive int "
-                               "(bytes per rank), or None for no bound")
+                               f"(bytes per rank), None for no bound, or {MEMORY_AUTO!r} (the detected device's "
+                               "memory less headroom)")
         for name in ("profile_budget_s", "time_limit_s", "collective_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -223,7 +231,7 @@ class PlanningOptions:
     discover_rules: bool
     solver: SolverChoice
     time_limit_s: float
-    memory_budget_bytes: Optional[int]
+    memory_budget_bytes: "int | str | None"
     optimizer_state_bytes: int
     param_dtype: Optional[torch.dtype]
     dynamic: Optional[Dynamic]

@@ -46,6 +46,7 @@ from autopar.core.errors import MemoryBudgetError
 from autopar.core.pipeline import (PipelineAxis, PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
                                    check_microbatches, check_request, stage_mesh)
 from autopar.core.plan import Plan
+from autopar.cost_models.devices import memory_budget, preset
 from autopar.cost_models.model import CostModel
 from autopar.passes.strategies.clusters import find_blocks
 from autopar.passes.plan.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
@@ -204,6 +205,12 @@ class SubMeshSolves:
         return self._done[key]
 
 
+def _budget(options: Options) -> "int | None":
+    """Options.memory_budget_bytes as bytes ("auto": from the detected device)."""
+    device = preset(options.device) if isinstance(options.device, str) else options.device
+    return memory_budget(options.memory_budget_bytes, device)
+
+
 def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
     """Options for the sub-mesh solve, with the node count that gives each remaining axis
     the link kind (intra- or inter-node) it has in the whole mesh on Options.nodes nodes
@@ -242,7 +249,7 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     serial_s = sub.compute_s + sub.comm_s  # the stage prices (units_of) hide nothing: split the step so too
     comm_share = sub.comm_s / serial_s if serial_s else 0.0
     param_bytes, state_bytes, activation_bytes = rank_bytes(units, stages, schedule, microbatches)
-    budget = options.memory_budget_bytes
+    budget = _budget(options)
     if budget is not None and param_bytes + state_bytes + activation_bytes > budget:  # interleaved: v stages a rank
         raise PipelineMemoryError(budget, param_bytes + state_bytes + activation_bytes, n_stages,
                                   len(units.block_s), schedule.value)
@@ -260,7 +267,7 @@ def _fitting_split(units: Units, sends: tuple[float, ...], n_stages: int, option
     PipelineMemoryError with the smallest heaviest rank when none fits. Interleaved: when
     no split keeps every stage under budget / v, the split with the lightest heaviest stage
     is taken if its ranks fit (not the fastest such split, which the DP cannot see)."""
-    schedule, budget = Schedule.of(options.pipeline_schedule), options.memory_budget_bytes
+    schedule, budget = Schedule.of(options.pipeline_schedule), _budget(options)
     bound = None if budget is None else MemoryBound(budget, schedule, options.microbatches)
     ranges = split_stages(units, sends, n_stages, bound)
     if ranges is not None:

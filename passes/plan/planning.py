@@ -16,7 +16,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import CostSource, Options
 from autopar.core.placement import Placement
 from autopar.core.plan import Plan
-from autopar.cost_models.devices import DeviceSpec, preset
+from autopar.cost_models.devices import DeviceSpec, budget_words, preset
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
 from autopar.cost_models.profile import Profile, compute_key, program_key
@@ -61,6 +61,8 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                 + (f"; ops x{in_program:.3g} inside the rank program (measured)" if in_program != 1.0 else "")
                 + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
                    if profile.collective_sync_s else ""))
+    budget = budget_words(options.memory_budget_bytes, costs.device)
+    note += f"; {budget}" if budget else ""
     return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
 
 

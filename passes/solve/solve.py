@@ -40,6 +40,7 @@ from autopar.core.options import Clustering, Options
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.placement import Spec
+from autopar.cost_models.devices import budget_words, memory_budget
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
@@ -180,7 +181,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     memory = node_memory(graph, costs, options)
     # 2. groups, and the variables repeated blocks share
     groups, blocks = _groups_and_blocks(graph, pricer, options)
-    budget = options.memory_budget_bytes
+    budget = memory_budget(options.memory_budget_bytes, costs.device)
     compute = node_costs(graph, costs)
     forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
     # gradient buckets hide under backward: each parameter edge's share of it (ilp_overlap.py)
@@ -199,7 +200,8 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     name = solver_name(options)
     solution = solve_program(ilp.program, options)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
-        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
+        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward),
+                                budget_words(options.memory_budget_bytes, costs.device))
     # 4. read the choice back
     picks = _picks(ilp, solution, name)
     if budget is not None:  # memory counts: of equally fast layouts, the smaller
@@ -235,7 +237,7 @@ def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Optio
                        ) -> tuple[dict[str, Member], Blocks]:
     # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
     # does not simply take the layout its consumer reads
-    store_as_read = options.memory_budget_bytes is None
+    store_as_read = memory_budget(options.memory_budget_bytes, pricer.costs.device) is None
     mode = options.cluster_layers
     block_of = find_blocks(graph) if mode is not Clustering.OFF else {}
     groups = build_groups(graph, pricer, options.follow, store_as_read, block_of)
