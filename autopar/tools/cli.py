@@ -1,4 +1,4 @@
-"""Command line: plan, show, diff, code, coverage, sweep.
+"""Command line: plan, show, explain, visualize, diff, code, coverage, sweep, run.
 
     python -m autopar plan gpt2-tiny --mesh 2,4 --out plan.json
     python -m autopar show plan.json [--nodes] [--all]
@@ -8,6 +8,7 @@
     python -m autopar code gpt2-tiny --mesh 2,4 --rank 3 [--plan plan.json]
     python -m autopar coverage [models...] [--mesh 2,4] [--training]
     python -m autopar sweep [--task causal-lm] [--training] [--only llama,gpt2] [--json out.json]
+    python -m autopar run [--nproc 8] [--nnodes 2 --rdzv-endpoint host:port] train.py [args...]
 
 Models are built on the meta device to plan (no weights are made; a full-size zoo model
 plans in the memory of its shapes). Exit codes: 0 done, 1 autopar refused (message on
@@ -91,7 +92,41 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--training", action="store_true", help="plan training steps")
     sp.add_argument("--ops", action="store_true", help="also list the ops hand-written rules covered")
     _sweep_parser(sub)
+    sp = sub.add_parser("run", help="launch a training script on this machine's ranks (a thin torchrun)")
+    sp.add_argument("--nproc", default="auto", help="ranks on this node, as torchrun's --nproc-per-node: a number, "
+                    "'gpu', 'cpu' or 'auto' (one per GPU, else one per CPU core; default)")
+    sp.add_argument("--nnodes", type=int, default=1, help="machines (default 1: a standalone rendezvous)")
+    sp.add_argument("--rdzv-endpoint", help="host:port every node meets at (needed with --nnodes > 1)")
+    sp.add_argument("--rdzv-id", default="autopar", help="the job's rendezvous id (default 'autopar')")
+    sp.add_argument("script", help="the Python script every rank runs (autopar.compile starts the process group)")
+    sp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
+
+
+def torchrun_argv(args) -> list[str]:
+    """torchrun's arguments for `python -m autopar run` (one node: --standalone)."""
+    argv = [f"--nproc-per-node={args.nproc}", f"--nnodes={args.nnodes}"]
+    if args.nnodes == 1:
+        argv.append("--standalone")
+    elif not args.rdzv_endpoint:
+        raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the address every node meets at "
+                         "(the same on every node, e.g. the first node's host and a free port)")
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+    return argv + [args.script, *args.script_args]
+
+
+def _launch(args) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    if not os.path.isfile(args.script):
+        raise ValueError(f"no script {args.script!r} to run")
+    try:
+        torchrun.main(torchrun_argv(args))
+    except ChildFailedError as e:  # torchrun printed each failed rank's error above
+        print(f"autopar: {len(e.failures)} rank(s) of {args.script} failed", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _sweep_parser(sub) -> None:
@@ -186,6 +221,8 @@ def _run(args) -> int:
             return 1 if any(r.error for r in rows) else 0
         elif args.command == "sweep":
             return _sweep(args)
+        elif args.command == "run":
+            return _launch(args)
     except (AutoparError, ValueError, ImportError) as e:
         print(f"autopar: {e}", file=sys.stderr)
         return 1
