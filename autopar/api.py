@@ -6,10 +6,11 @@ import os
 from dataclasses import replace
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.core.errors import MeshError
+from autopar.core.errors import MeshError, ProcessGroupError
 from autopar.core.mesh import Mesh, check_node_layout
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError
@@ -18,7 +19,9 @@ from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook, given_plans
 from autopar.passes.plan import planner
 from autopar.passes.plan.buffer_layouts import LocalBuffers
+from autopar.passes.plan.mesh_choice import plan_mesh_choice
 from autopar.passes.plan.planning import options_with
+from autopar.runtime.agree import agreed
 from autopar.runtime.generation import Generator
 from autopar.runtime.groups import start_process_group
 from autopar.runtime.kv_cache import CachedLM
@@ -26,6 +29,8 @@ from autopar.runtime.module import ParallelModule
 from autopar.runtime.stages import PipelineStages, pipelined_plan
 from autopar.runtime.resume import (CheckpointManifest, latest_checkpoint,  # noqa: F401 - re-exported
                                     load_training_checkpoint, resume, save_training_checkpoint)
+
+AUTO_MESH = "auto"  # compile(mesh="auto") / plan(mesh="auto", devices=N): the planner chooses
 
 __all__ = ["CheckpointManifest", "compile", "compile_for_generation", "latest_checkpoint", "load_training_checkpoint",
            "plan", "plan_for_generation", "resume", "save_training_checkpoint"]
@@ -54,8 +59,12 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     planner may choose a pipeline, whose stages run under torch.distributed.pipelining
     (autopar/runtime/stages.py); it needs example inputs and `loss_fn(output, target)`.
     `loss_fn` given, pm.step(*args, target=..., **kwargs) trains one step whatever the plan.
+    mesh="auto" (with example inputs): rank 0 plans every 1-, 2- and 3-axis mesh of the
+    world's ranks and all run the cheapest (plan.explain_mesh() lists them).
     """
-    opts = _device_of(model, options_with(options, option_overrides))
+    opts = _device_of(model, options_with(options, option_overrides), materialize_on)
+    if isinstance(mesh, str) and mesh == AUTO_MESH:
+        plan, mesh = _mesh_chosen_on_rank0(model, args, kwargs, opts, plan)
     book = given_plans(plan)[0]
     piped = next((p for p in (book.plans if book is not None else ()) if p.pipeline is not None), None)
     if opts.pipeline_axis is not None or piped is not None:  # a given pipelined plan runs as one
@@ -94,19 +103,49 @@ def _pipelined(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, 
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),
-         options: Optional[Options] = None, **option_overrides: Any) -> Plan:
+         devices: Optional[int] = None, options: Optional[Options] = None, **option_overrides: Any) -> Plan:
     """Plan `model` for `mesh` offline (no process group): the Plan autopar.compile
     would run. Keyword overrides go to Options (e.g. device="h100", training=True). With
     `dynamic=`, the trace and plan compile would make for these inputs' range (the same
-    graph fingerprint, so compile(..., plan=that plan, dynamic=the same) runs it)."""
-    return planner.plan_model(model, args, kwargs, Mesh.of(mesh), options_with(options, option_overrides))
+    graph fingerprint, so compile(..., plan=that plan, dynamic=the same) runs it).
+    mesh="auto" with `devices=N`: the cheapest of N devices' 1-, 2- and 3-axis meshes
+    (passes/plan/mesh_choice.py; plan.explain_mesh() lists what was tried)."""
+    opts = options_with(options, option_overrides)
+    if isinstance(mesh, str) and mesh == AUTO_MESH:
+        if devices is None:
+            raise MeshError("mesh='auto' offline needs the device count: autopar.plan(..., mesh='auto', devices=8)")
+        return plan_mesh_choice(model, args, kwargs, devices, opts)
+    if devices is not None:
+        raise MeshError(f"devices={devices} goes with mesh='auto'; mesh {mesh!r} already says how many")
+    return planner.plan_model(model, args, kwargs, Mesh.of(mesh), opts)
 
 
-def _device_of(model: nn.Module, opts: Options) -> Options:
+def _mesh_chosen_on_rank0(model: nn.Module, args: Any, kwargs: Optional[dict], opts: Options,
+                          given: Any) -> tuple[Plan, Mesh]:
+    """compile(mesh="auto"): rank 0 plans every mesh of the world's ranks for these
+    inputs and every rank takes its choice (agree.agreed)."""
+    if given is not None:
+        raise MeshError("mesh='auto' chooses the mesh by planning: with plan= given, pass that plan's mesh")
+    if args is None and kwargs is None:
+        raise MeshError("mesh='auto' plans at compile time: pass example inputs, "
+                        "autopar.compile(model, args, kwargs, mesh='auto')")
+    start_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ProcessGroupError("mesh='auto' needs the process group to count the ranks: run under torchrun "
+                                "(python -m autopar run) or call torch.distributed.init_process_group first")
+    args = args if isinstance(args, (tuple, list)) or args is None else (args,)
+    chosen = agreed(lambda: plan_mesh_choice(model, tuple(args or ()), kwargs or {}, dist.get_world_size(), opts))
+    return chosen, chosen.mesh
+
+
+def _device_of(model: nn.Module, opts: Options, materialize_on: Any = None) -> Options:
     """device="auto" for a model that runs on the CPU is the CPU preset, whatever GPU the
-    host has (a gloo job on a GPU machine is not priced as the GPU); on CUDA or meta, the
-    accelerator's (cost_models/devices.py detected_device)."""
+    host has (a gloo job on a GPU machine is not priced as the GPU, nor bounded by its
+    memory); so is a meta model whose shards are made on the CPU (materialize_on's
+    default); on CUDA, the accelerator's (cost_models/devices.py detected_device)."""
     kinds = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+    if "meta" in kinds:
+        kinds = (kinds - {"meta"}) | {torch.device(materialize_on or "cpu").type}
     if opts.device == "auto" and kinds and kinds <= {"cpu"}:
         return replace(opts, device="cpu")
     return opts

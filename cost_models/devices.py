@@ -143,5 +143,5 @@ def budget_words(budget: "int | str | None", device: DeviceSpec) -> str:
     bound = memory_budget(budget, device)
     if budget != MEMORY_AUTO or bound is None:
         return ""
-    return (f"memory budget {bound / 2**30:.1f} GiB per rank: {DEVICE_BUDGET_FRACTION:.0%} of the detected "
+    return (f"memory budget {bound / 2**30:.1f} GiB: {DEVICE_BUDGET_FRACTION:.0%} of the detected "
             f"{device.detected}'s {device.memory_bytes / 2**30:.1f} GiB")

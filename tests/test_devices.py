@@ -74,13 +74,12 @@ def test_the_detected_gpus_memory_is_the_default_budget(monkeypatch):
     _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 79 * 2**30)
     assert autopar.Options().memory_budget_bytes == "auto"
     assert devices.memory_budget("auto", devices.detected_device()) == int(79 * 2**30 * 0.9)
-    assert "memory budget 71.1 GiB per rank: 90% of the detected NVIDIA H100 80GB HBM3's 79.0 GiB" in \
-        _plan().summary()
+    assert "memory budget 71.1 GiB: 90% of the detected NVIDIA H100 80GB HBM3's 79.0 GiB" in _plan().summary()
     assert devices.memory_budget("auto", devices.preset("h100")) is None
     assert "memory budget" not in _plan(device="h100").summary()
     assert devices.memory_budget(None, devices.detected_device()) is None
     _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 4 * 1024)  # a card of 4 KiB: nothing fits
-    with pytest.raises(autopar.MemoryBudgetError, match=r"per rank \(the default memory budget 0.0 GiB per rank: "
+    with pytest.raises(autopar.MemoryBudgetError, match=r"per rank \(the default memory budget 0.0 GiB: "
                                                         r"90% of the detected NVIDIA H100 80GB HBM3's"):
         _plan()
 
@@ -88,3 +87,22 @@ def test_the_detected_gpus_memory_is_the_default_budget(monkeypatch):
 def test_a_budget_that_is_no_number_is_refused():
     with pytest.raises(autopar.OptionsError, match=r"memory_budget_bytes='lots'.*None for no bound, or 'auto'"):
         autopar.Options(memory_budget_bytes="lots")
+
+
+def test_the_default_budget_binds_only_where_the_free_plan_would_not_fit(monkeypatch):
+    # on a card the fastest plan fits, "auto" gives that plan, solved without a bound (the
+    # same ILP as None); on a card it does not fit, the plan is bounded to 90 % of it
+    from tests import models
+    model = models.build("gpt2").train()
+    args, kwargs = models.inputs("gpt2", batch=4)
+
+    def plan(**options):
+        return autopar.plan(model, args, kwargs, mesh=(2,), **options)
+
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 79 * 2**30)
+    free, auto = plan(memory_budget_bytes=None), plan()
+    assert auto.digest() == free.digest() and auto.solver.variables == free.solver.variables
+    card = int(free.memory_bytes * 0.8 / 0.9)
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", card)
+    bounded = plan()
+    assert bounded.memory_bytes <= int(card * 0.9) < free.memory_bytes

@@ -53,6 +53,11 @@ def test_a_step_is_timed_from_one_call_to_the_next(one_rank_group):
     assert m.mfu == pytest.approx(m.model_flops / m.seconds / peak) and 0 < m.mfu < 1
     assert m.peak_memory_bytes > 2**20 and m.memory_kind.startswith("cpu")
     assert "tokens/s/device" in str(m) and "MFU" in str(m)
+    with torch.no_grad():  # a call without autograd counts the forward only
+        pm(*args, **kwargs)
+        pm(*args, **kwargs)
+    assert pm.last_step.model_flops == pytest.approx(plan_flops(pm.plan, training=False))
+    assert plan_flops(pm.plan, training=False) < m.model_flops / 2
 
 
 def test_model_flops_of_an_mlp_are_its_matmuls_and_elementwise_ops():
@@ -70,8 +75,15 @@ def test_model_flops_of_an_mlp_are_its_matmuls_and_elementwise_ops():
 
 def test_tokens_are_the_token_ids_else_the_samples():
     ids, mask, x = (torch.zeros(4, 9, dtype=torch.long), torch.ones(4, 9), torch.randn(6, 3))
-    assert token_count([(t.dtype, tuple(t.shape)) for t in (mask, ids)]) == 36
-    assert token_count([(x.dtype, tuple(x.shape))]) == 6
+    positions, causal = torch.zeros(1, 9, dtype=torch.long), torch.ones(4, 1, 9, 9, dtype=torch.bool)
+
+    def leaves(*ts):
+        return [(t.dtype, tuple(t.shape)) for t in ts]
+
+    assert token_count(leaves(mask, ids)) == 36
+    assert token_count(leaves(positions, causal, ids)) == 36  # the largest 2-D integer input
+    assert token_count(leaves(positions, ids), ("kwargs['position_ids']", "kwargs['input_ids']")) == 36
+    assert token_count(leaves(x)) == 6
 
 
 def test_a_pipelined_plan_says_its_metrics_are_not_measured():

@@ -50,3 +50,14 @@ def test_the_launcher_refuses_a_missing_script(capsys):
     from autopar.tools.cli import main
     assert main(["run", "--nproc", "2", "no_such_script.py"]) == 1
     assert "no script 'no_such_script.py' to run" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a torchrun job of 2 ranks
+def test_a_failing_rank_is_named_with_its_exit_code(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "autopar", "run", "--nproc", "2", str(script)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "1 rank(s) of" in done.stderr and "exitcode" in done.stderr and ": 3" in done.stderr, done.stderr[-2000:]

@@ -21,13 +21,13 @@ from autopar.core.kinds import TextEnum
 from autopar.core.pipeline import PipelineAxis, PipelineError, Schedule
 from autopar.core.links import link_overrides
 
-# bytes of data-parallel gradients all-reduced together (the runtime's buckets, and the
-# cost model's overlap credit for them)
 # Options.memory_budget_bytes="auto": this share of the detected accelerator's memory (the
 # rest for the CUDA context, NCCL's buffers, the allocator's fragmentation and what the
 # cost model does not count)
 MEMORY_AUTO = "auto"
 DEVICE_BUDGET_FRACTION = 0.9
+# bytes of data-parallel gradients all-reduced together (the runtime's buckets, and the
+# cost model's overlap credit for them)
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 # bytes of collectives in flight at once on a rank, by default: the gathered parameters of a few layers
 INFLIGHT_CAP_BYTES = 256 * 2**20
@@ -98,7 +98,8 @@ class Options:
     collective_timeout_s: float = 300.0
     # per-rank bound on parameters, gradients, optimiser state and activations (bytes);
     # None for no bound; "auto" (the default): DEVICE_BUDGET_FRACTION of the memory of the
-    # accelerator device="auto" detected, no bound on a CPU or a named preset. With a
+    # accelerator device="auto" detected, where the fastest plan without a bound would not
+    # fit it (passes/solve/solve.py); no bound on a CPU, a named preset or a saved profile. With a
     # bound, parameters may be stored sharded and gathered where they are used (ZeRO-3 /
     # FSDP style) and blocks recomputed
     memory_budget_bytes: "int | str | None" = MEMORY_AUTO

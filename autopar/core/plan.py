@@ -17,7 +17,7 @@ from autopar.core.kinds import NodeKind
 from autopar.core.links import AxisLink
 from autopar.core.mesh import Mesh
 from autopar.core.pipeline import PipelinePlan
-from autopar.core.plan_parts import Collective, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
+from autopar.core.plan_parts import Collective, EdgePlan, MeshCandidate, NodeChoice, RecomputedBlock, SolverReport
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Plan:
     # a pipelined plan: each stage's plan, in stage order (passes/plan/pipeline_stages.py); empty
     # when the stages are planned where they run (a profiled cost model times them there)
     stage_plans: tuple["Plan", ...] = ()
+    # mesh="auto": every mesh the planner tried, this plan's among them (empty: the mesh was given)
+    mesh_candidates: tuple[MeshCandidate, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -111,6 +113,9 @@ class Plan:
                          if self.stage_plans else "  stage plans: none stored (each stage solves where it runs)")
         if self.links:
             lines.append("  links: " + "; ".join(f"axis {a} {link}" for a, link in enumerate(self.links)))
+        if self.mesh_candidates:
+            lines.append(f"  mesh: {self.mesh.shape} chosen, the cheapest of {len(self.mesh_candidates)} tried "
+                         "(plan.explain_mesh() lists them)")
         if self.unruled_ops:
             lines.append(f"  replicated for want of a rule: {', '.join(self.unruled_ops)}")
         if self.discovered_ops:
@@ -127,6 +132,13 @@ class Plan:
         return self.summary()
 
     # ---- reading a plan ---------------------------------------------------------
+    def explain_mesh(self) -> str:
+        """For mesh="auto": every mesh tried, its predicted step and memory (or why it was
+        refused), the chosen one marked."""
+        if not self.mesh_candidates:
+            return f"mesh {self.mesh.shape} was given, not chosen (mesh=\"auto\" tries the factorisations)"
+        return "\n".join(("* " if c.shape == self.mesh.shape else "  ") + str(c) for c in self.mesh_candidates)
+
     def explain(self, node: "str | object") -> str:
         """The strategies the solver had for `node` (a name or an fx.Node), each priced
         with every other node at its chosen strategy, and why the chosen one won."""

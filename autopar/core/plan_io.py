@@ -26,6 +26,8 @@ Schema version 1 (keys of the top-level object):
     recompute         [{name, nodes: [node]}]: blocks recomputed in backward (absent: none)
     links             [{kind: "intra" | "inter", name, alpha_s, beta_s_per_byte}]: per mesh axis, the link
                       its collectives were priced with (absent in older files: none recorded)
+    mesh_candidates   [{shape, step_s, memory_bytes, refusal}]: mesh="auto"'s tries (absent or empty:
+                      the mesh was given)
     nodes             [{name, op, kind, module, group, inputs: [spec], outputs: [spec], compute_s,
                         alternatives, options: [{inputs: ["S(0)R", ..], outputs: [..], compute_s,
                         reshard_in_s, reshard_out_s}], saved: [bool] per output kept for backward
@@ -60,7 +62,7 @@ from autopar.core.links import AxisLink, Link, LinkKind
 from autopar.core.mesh import Mesh
 from autopar.core.pipeline import pipeline_from_json, pipeline_to_json
 from autopar.core.placement import Spec, TensorMeta, parse_placement, parse_placements
-from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
+from autopar.core.plan_parts import Alternative, EdgePlan, MeshCandidate, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.resharding import Step
 
 SCHEMA = "autopar.plan"
@@ -140,6 +142,7 @@ def _plan_dict(plan: Any) -> dict:
         "cost_note": plan.cost_note,
         "recompute": [{"name": b.name, "nodes": list(b.nodes)} for b in getattr(plan, "recompute", ())],
         "links": [dict(asdict(a.link), kind=a.kind.value) for a in getattr(plan, "links", ())],
+        "mesh_candidates": [dict(asdict(c), shape=list(c.shape)) for c in plan.mesh_candidates],
         "nodes": [_node_to_json(n) for n in plan.nodes],
         "edges": [{"producer": e.producer, "index": e.index, "consumer": e.consumer, "position": e.position,
                    "comm_s": e.comm_s, "steps": [_step_to_json(s) for s in e.steps]} for e in plan.edges],
@@ -173,7 +176,9 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             links=tuple(AxisLink(LinkKind(a["kind"]), Link(float(a["alpha_s"]), float(a["beta_s_per_byte"]), a["name"]))
                         for a in d.get("links", ())),
             pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None,
-            stage_plans=tuple(d.get("stage_plans", ())))
+            stage_plans=tuple(d.get("stage_plans", ())),
+            mesh_candidates=tuple(MeshCandidate(tuple(c["shape"]), c["step_s"], c["memory_bytes"], c.get("refusal", ""))
+                                  for c in d.get("mesh_candidates", ())))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e
     return _consistent(fields, source)

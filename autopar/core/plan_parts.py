@@ -109,3 +109,19 @@ class RecomputedBlock:
 
     name: str  # the block's module path, e.g. "transformer.h.3"
     nodes: tuple[str, ...]  # its op and getitem nodes, in graph order
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """One mesh the planner tried for mesh="auto" (passes/plan/mesh_choice.py): its
+    predicted step and memory per rank, or why no plan of it fits."""
+
+    shape: tuple[int, ...]
+    step_s: Optional[float]  # None: refused
+    memory_bytes: Optional[int]
+    refusal: str = ""
+
+    def __str__(self) -> str:
+        if self.step_s is None:
+            return f"{self.shape}: {self.refusal}"
+        return f"{self.shape}: step {self.step_s * 1e3:.3f} ms, memory {(self.memory_bytes or 0) / 2**20:.2f} MiB"

@@ -6,24 +6,35 @@ forward, backward, the optimizer and data loading, as torchtitan and Megatron ti
 So the metrics of a step are known when the next one starts: `pm.last_step` is None
 until the second call.
 
-    tokens       the step's batch x sequence: the elements of its first integer input
-                 of two dims or more (the token ids), else its first input's dim 0
-                 (samples); with local inputs, the plan's global size of that input
+    tokens       the step's batch x sequence: the elements of its input_ids, else of
+                 its largest integer input of two dims (token ids under another name),
+                 else its first input's dim 0 (samples); with local inputs, the plan's
+                 global size of that input (a dynamic plan's planned size: not the call's)
     model FLOPs  the plan's ops at their global shapes (cost_models/compute.py flops),
                  times three in training (the backward's two matmuls per matmul), scaled
                  by tokens to the step's size where a dynamic plan serves several; what
                  the model computes, not what the ranks run (recompute and replicated
-                 work are not counted, as MFU is defined)
-    MFU          model FLOPs / seconds / devices / the preset's peak FLOP/s for the dtype
-    memory       CUDA: torch.cuda.max_memory_allocated over the step (reset at its
-                 start); CPU: the process's peak resident set so far (getrusage)
+                 work are not counted, as MFU is defined). A call without autograd
+                 (inference, generation) counts the forward only
+    MFU          model FLOPs / seconds / devices / the peak FLOP/s of the preset the plan
+                 was priced with, for the dtype
+    memory       the peak so far: CUDA's torch.cuda.max_memory_allocated (not reset, so
+                 the user's own readings stand), or the process's resident set (getrusage)
+
+Times are host clocks without a CUDA synchronise: a step's seconds include what the
+next step's launch waited for, so single steps jitter while their sum is exact. A
+step's own compile (a new input signature's trace and solve) counts in that step.
 """
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
+
+try:
+    import resource  # POSIX: a CPU rank's peak resident set
+except ImportError:  # pragma: no cover - Windows
+    resource = None  # type: ignore[assignment]
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -31,7 +42,8 @@ import torch
 
 from autopar.core.plan import Plan
 from autopar.cost_models import compute
-from autopar.cost_models.devices import DeviceSpec, preset
+from autopar.core.errors import OptionsError
+from autopar.cost_models.devices import preset
 from autopar.cost_models.evaluate import op_target
 
 
@@ -51,11 +63,16 @@ class StepMetrics:
                 f"({self.memory_kind})")
 
 
-def token_count(leaves: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> int:
-    """The tokens (module docstring) of inputs given as (dtype, shape) per tensor leaf."""
-    for dtype, shape in leaves:
-        if not dtype.is_floating_point and not dtype.is_complex and len(shape) >= 2:
-            return int(torch.Size(shape).numel())
+def token_count(leaves: Sequence[tuple[torch.dtype, tuple[int, ...]]], paths: Sequence[str] = ()) -> int:
+    """The tokens (module docstring) of inputs given as (dtype, shape) per tensor leaf,
+    with their paths ("kwargs['input_ids']") where known."""
+    named = [shape for (dtype, shape), path in zip(leaves, paths) if "'input_ids'" in path]
+    if named:
+        return int(torch.Size(named[0]).numel())
+    ids = [shape for dtype, shape in leaves if not dtype.is_floating_point and not dtype.is_complex
+           and dtype is not torch.bool and len(shape) == 2]
+    if ids:
+        return int(max(torch.Size(shape).numel() for shape in ids))
     return int(leaves[0][1][0]) if leaves and leaves[0][1] else 1
 
 
@@ -79,47 +96,65 @@ def plan_flops(plan: Plan, training: bool) -> float:
 
 
 class StepMeter:
-    """Times the iterations of one module (begin() at each forward or pm.step)."""
+    """Times the iterations of one module: start() as a forward (or pm.step) is entered,
+    begin() once its program is known."""
 
-    def __init__(self, device: DeviceSpec, world: int, dtype: torch.dtype, on_cuda: Optional[torch.device]) -> None:
-        self.device, self.world, self.dtype, self.on_cuda = device, world, dtype, on_cuda
+    def __init__(self, world: int, dtype: torch.dtype, on_cuda: Optional[torch.device]) -> None:
+        self.world, self.dtype, self.on_cuda = world, dtype, on_cuda
         self.last: Optional[StepMetrics] = None
-        self._open: Optional[tuple[float, int, float]] = None  # start, tokens, model FLOPs of the running step
-        # (id of a plan the module keeps, training) -> (model FLOPs, tokens) at its traced size
+        # the running step: its start, tokens, model FLOPs and the device its plan is priced for
+        self._open: Optional[tuple[float, int, float, str]] = None
+        self._started = 0.0
+        # (id of a plan the module keeps, with autograd) -> (model FLOPs, tokens) at its traced size
         self._flops: dict[tuple[int, bool], tuple[float, int]] = {}
 
-    def begin(self, plan: Plan, traced, tensors: Sequence[torch.Tensor], local: bool, training: bool) -> None:
-        """A step of `plan` (traced as `traced`) starts with these input leaves (this
-        rank's blocks where `local`); the one before it ends."""
-        now = time.perf_counter()
+    def start(self) -> None:
+        """A call is entered: the step before it ends here."""
+        self._started = time.perf_counter()
         if self._open is not None:
-            self.last = self._metrics(now - self._open[0], self._open[1], self._open[2])
-        at_trace = traced_leaves(traced)
-        tokens = token_count(at_trace if local else [(t.dtype, tuple(t.shape)) for t in tensors])
-        key = (id(plan), training)
-        if key not in self._flops:
-            self._flops[key] = (plan_flops(plan, training), token_count(at_trace))
-        flops, planned = self._flops[key]
-        if self.on_cuda is not None:
-            torch.cuda.reset_peak_memory_stats(self.on_cuda)
-        self._open = (now, tokens, flops * tokens / max(planned, 1))
+            start, tokens, flops, device = self._open
+            self.last = self._metrics(self._started - start, tokens, flops, device)
+            self._open = None
 
-    def _metrics(self, seconds: float, tokens: int, flops: float) -> StepMetrics:
-        peak = self.device.peak_flops.get(self.dtype, self.device.peak_flops[torch.float32])
-        if self.on_cuda is not None:
-            memory, kind = torch.cuda.max_memory_allocated(self.on_cuda), "cuda allocated"
-        else:
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-            memory, kind = (rss if sys.platform == "darwin" else rss * 1024), "cpu resident (process peak)"
+    def begin(self, plan: Plan, traced, tensors: Sequence[torch.Tensor], local: bool, backward: bool) -> None:
+        """The step started by start() runs `plan` (traced as `traced`) on these input
+        leaves (this rank's blocks where `local`), with autograd where `backward`."""
+        at_trace = traced_leaves(traced)
+        paths = traced.input_paths
+        tokens = token_count(at_trace if local else [(t.dtype, tuple(t.shape)) for t in tensors], paths)
+        key = (id(plan), backward)
+        if key not in self._flops:
+            self._flops[key] = (plan_flops(plan, backward), token_count(at_trace, paths))
+        flops, planned = self._flops[key]
+        self._open = (self._started, tokens, flops * tokens / max(planned, 1), plan.device)
+
+    def _metrics(self, seconds: float, tokens: int, flops: float, device: str) -> StepMetrics:
         seconds = max(seconds, 1e-12)
         return StepMetrics(seconds, tokens, tokens / seconds / self.world, flops,
-                           flops / seconds / self.world / peak, int(memory), kind)
+                           flops / seconds / self.world / peak_flops(device, self.dtype), *peak_memory(self.on_cuda))
+
+
+def peak_flops(device: str, dtype: torch.dtype) -> float:
+    """The peak FLOP/s of the preset a plan was priced with (nan for a profile's device,
+    which has no preset)."""
+    try:
+        spec = preset(device)
+    except OptionsError:
+        return float("nan")
+    return spec.peak_flops.get(dtype, spec.peak_flops[torch.float32])
+
+
+def peak_memory(on_cuda: Optional[torch.device]) -> tuple[int, str]:
+    if on_cuda is not None:
+        return int(torch.cuda.max_memory_allocated(on_cuda)), "cuda allocated, peak so far"
+    if resource is None:
+        return 0, "cpu resident, not read on this platform"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return int(rss if sys.platform == "darwin" else rss * 1024), "cpu resident, process peak"
 
 
 def step_meter(model: torch.nn.Module, options, device: torch.device, world: int) -> StepMeter:
-    """The meter of a module running `model` on `device` under `options` (its preset:
-    what Options.device names or detects; its dtype: Options.param_dtype, else the
-    model's first floating parameter's)."""
-    spec = preset(options.device) if isinstance(options.device, str) else options.device
+    """The meter of a module running `model` on `device` under `options` (its dtype:
+    Options.param_dtype, else the model's first floating parameter's)."""
     dtype = options.param_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return StepMeter(spec, world, dtype, device if device.type == "cuda" else None)
+    return StepMeter(world, dtype, device if device.type == "cuda" else None)

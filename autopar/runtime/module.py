@@ -137,9 +137,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
 
     @property
     def last_step(self) -> Optional[StepMetrics]:
-        """The last finished step's time, tokens/s per device, MFU and peak memory
-        (autopar/runtime/metrics.py): a step ends when the next forward starts, so None
-        until the second call."""
+        """The last finished step's time, tokens/s per device, MFU and peak memory (None
+        until the second call: a step ends as the next starts; autopar/runtime/metrics.py)."""
         if self.stages is not None:
             raise PipelineError("per-step metrics are measured for plans of one program; a pipelined plan's "
                                 "are not yet")
@@ -171,13 +170,15 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         if self.stages is not None:
             raise PipelineError("a pipelined plan runs its microbatches through torch's schedule: train with "
                                 "pm.step(*args, target=..., **kwargs), not pm(...)")
+        self.meter.start()
         tensors, spec, consts = flatten_inputs(args, kwargs)
         compiled = self._agreed_call(args, kwargs, tensors, spec, consts, local_inputs)
         if not self.loaded:
             raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
                                "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
         self.current = compiled
-        self.meter.begin(compiled.plan, compiled.traced, tensors, local_inputs, torch.is_grad_enabled())
+        self.meter.begin(compiled.plan, compiled.traced, tensors, local_inputs,
+                         compiled.plan.training and torch.is_grad_enabled())
         if torch.is_grad_enabled():  # this step's backward reduces this program's buckets
             compiled.buckets.arm()
             self._armed = compiled.buckets

@@ -105,7 +105,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def torchrun_argv(args) -> list[str]:
     """torchrun's arguments for `python -m autopar run` (one node: --standalone)."""
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes {args.nnodes}: the machines the job runs on, 1 or more")
     argv = [f"--nproc-per-node={args.nproc}", f"--nnodes={args.nnodes}"]
+    if args.nnodes == 1 and args.rdzv_endpoint:
+        raise ValueError("--rdzv-endpoint is where several nodes meet; one node (--nnodes 1) rendezvous by itself")
     if args.nnodes == 1:
         argv.append("--standalone")
     elif not args.rdzv_endpoint:
@@ -123,8 +127,8 @@ def _launch(args) -> int:
         raise ValueError(f"no script {args.script!r} to run")
     try:
         torchrun.main(torchrun_argv(args))
-    except ChildFailedError as e:  # torchrun printed each failed rank's error above
-        print(f"autopar: {len(e.failures)} rank(s) of {args.script} failed", file=sys.stderr)
+    except ChildFailedError as e:  # which ranks, their exit codes or signals, where their errors went
+        print(f"autopar: {len(e.failures)} rank(s) of {args.script} failed\n{e.format_msg()}", file=sys.stderr)
         return 1
     return 0
 

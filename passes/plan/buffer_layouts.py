@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Callable, Collection, Iterable, Optional
 
-from autopar.core.errors import MeshError, SolverError
+from autopar.core.errors import MemoryBudgetError, MeshError, SolverError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
@@ -96,14 +96,21 @@ def plan_local_buffers(traced: TracedGraph, mesh: Mesh, options: Options, pinned
         choices = [local.layout] if local.layout is not None else list(
             candidate_layouts(metas[free[0]], mesh, local.split_dims))
     best: Optional[Plan] = None
+    over: list[MemoryBudgetError] = []  # candidates no plan of which fits the budget
     for choice in choices:
         trial = dict(pinned)
         if choice is not None:
             trial.update({n: choice for n in free if Spec(choice, metas[n]).fits(mesh.shape)})
         graph = local_buffer_updates(annotate(traced, mesh, trial, options.discover_rules), set(local.names))
-        plan = solve_graph(graph)
+        try:
+            plan = solve_graph(graph)
+        except MemoryBudgetError as e:
+            over.append(e)
+            continue
         if best is None or plan.total_s < best.total_s:
             best = plan
+    if best is None and over:  # none fits: the one that came closest says by how much
+        raise min(over, key=lambda e: e.smallest_bytes)
     if best is None:
         raise SolverError(f"no layout of the buffers {local.names[:2]}... splitting dims {local.split_dims} was tried "
                           f"on mesh {mesh.shape}; pass LocalBuffers a layout, or leave them out of local_buffers")

@@ -41,7 +41,7 @@ from autopar import _compat
 from autopar.core.kinds import NodeKind
 from autopar.core.links import link_overrides
 from autopar.core.mesh import Mesh
-from autopar.core.options import CostSource, Options
+from autopar.core.options import MEMORY_AUTO, CostSource, Options
 from autopar.core.errors import MemoryBudgetError
 from autopar.core.pipeline import (PipelineAxis, PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
                                    check_microbatches, check_request, stage_mesh)
@@ -206,7 +206,10 @@ class SubMeshSolves:
 
 
 def _budget(options: Options) -> "int | None":
-    """Options.memory_budget_bytes as bytes ("auto": from the detected device)."""
+    """Options.memory_budget_bytes as bytes ("auto": from the detected device, none for a
+    saved profile's plan, as passes/solve/solve.py has it)."""
+    if options.cost_model is CostSource.SAVED and options.memory_budget_bytes == MEMORY_AUTO:
+        return None
     device = preset(options.device) if isinstance(options.device, str) else options.device
     return memory_budget(options.memory_budget_bytes, device)
 

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 from autopar.core.errors import MemoryBudgetError, SolverError
 from autopar.core.kinds import NodeKind
 from autopar.core.log import logged
-from autopar.core.options import Clustering, Options
+from autopar.core.options import MEMORY_AUTO, Clustering, CostSource, Options
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
 from autopar.core.placement import Spec
@@ -172,16 +172,34 @@ def _backward_member(p: PlannedNode, consumer: str, position: int, graph: Annota
 
 # ---- 3. solve ---------------------------------------------------------------------
 
+def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
+    """The fastest plan within Options.memory_budget_bytes (MemoryBudgetError when none fits).
+    The default budget, "auto" (the detected device's memory), binds only where the
+    fastest plan without it would not fit: that plan is solved first and kept when it
+    fits (the same plan as with no bound, and a smaller ILP), else the bounded one is
+    solved. A saved profile's plan is for its own device: "auto" bounds it by nothing."""
+    if options.memory_budget_bytes != MEMORY_AUTO:
+        return _solve(graph, costs, options)
+    bound = None if options.cost_model is CostSource.SAVED else memory_budget(MEMORY_AUTO, costs.device)
+    free = _solve(graph, costs, replace(options, memory_budget_bytes=None))
+    if bound is None or free.memory_bytes <= bound:
+        return free
+    try:
+        return _solve(graph, costs, replace(options, memory_budget_bytes=bound))
+    except MemoryBudgetError as e:
+        raise MemoryBudgetError(e.budget_bytes, e.smallest_bytes, budget_words(MEMORY_AUTO, costs.device)) from None
+
+
 @logged("solve", lambda p: f"{p.solver.status}, {p.solver.variables} variables, "
                            f"step {p.total_s * 1e3:.3f} ms predicted")
-def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
-    """The fastest plan within Options.memory_budget_bytes (MemoryBudgetError when none fits)."""
+def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
+    """solve() under a budget of bytes, or None (no bound)."""
     # 1. price every node's strategies
     pricer = EdgePricer(costs)
     memory = node_memory(graph, costs, options)
     # 2. groups, and the variables repeated blocks share
     groups, blocks = _groups_and_blocks(graph, pricer, options)
-    budget = memory_budget(options.memory_budget_bytes, costs.device)
+    budget = options.memory_budget_bytes
     compute = node_costs(graph, costs)
     forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
     # gradient buckets hide under backward: each parameter edge's share of it (ilp_overlap.py)
@@ -200,8 +218,7 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     name = solver_name(options)
     solution = solve_program(ilp.program, options)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
-        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward),
-                                budget_words(options.memory_budget_bytes, costs.device))
+        raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
     # 4. read the choice back
     picks = _picks(ilp, solution, name)
     if budget is not None:  # memory counts: of equally fast layouts, the smaller
@@ -237,7 +254,7 @@ def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Optio
                        ) -> tuple[dict[str, Member], Blocks]:
     # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
     # does not simply take the layout its consumer reads
-    store_as_read = memory_budget(options.memory_budget_bytes, pricer.costs.device) is None
+    store_as_read = options.memory_budget_bytes is None
     mode = options.cluster_layers
     block_of = find_blocks(graph) if mode is not Clustering.OFF else {}
     groups = build_groups(graph, pricer, options.follow, store_as_read, block_of)

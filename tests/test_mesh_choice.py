@@ -1,0 +1,87 @@
+"""mesh="auto" (passes/plan/mesh_choice.py): the planner tries every 1-, 2- and 3-axis mesh
+of the devices and keeps the cheapest, listing what it tried."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.core.kinds import NodeKind
+from autopar.core.plan import Plan
+from autopar.passes.plan.mesh_choice import factorisations, mesh_candidates
+from tests import models
+from tests.models import MLP
+
+
+def test_the_candidates_are_the_factorisations_one_per_axis_order_on_one_node():
+    assert factorisations(8) == ((8,), (2, 4), (4, 2), (2, 2, 2))
+    assert [m.shape for m in mesh_candidates(8)] == [(8,), (2, 4), (2, 2, 2)]
+    assert [m.shape for m in mesh_candidates(8, nodes=2)] == [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    assert [m.shape for m in mesh_candidates(1)] == [(1,)]
+    assert len(mesh_candidates(64)) == 1 + 3 + 3  # (64,); (2,32) (4,16) (8,8); (2,2,16) (2,4,8) (4,4,4)
+    with pytest.raises(autopar.MeshError, match="nodes=3 does not divide"):
+        mesh_candidates(8, nodes=3)
+
+
+def _chosen(model, args, kwargs=None, **options) -> Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(model, args, kwargs, mesh="auto", devices=4, **options)
+
+
+def test_a_big_batch_on_the_cpu_preset_chooses_data_parallelism_the_cheapest_listed():
+    plan = _chosen(MLP().train(), (torch.randn(4096, 16),), device="cpu")
+    tried = {c.shape: c for c in plan.mesh_candidates}
+    assert set(tried) == {(4,), (2, 2)}
+    assert plan.total_s == pytest.approx(min(c.step_s for c in tried.values()))
+    assert tried[plan.mesh.shape].step_s == pytest.approx(plan.total_s)
+    inputs = [n for n in plan.nodes if n.kind is NodeKind.USER_INPUT]
+    params = [n for n in plan.nodes if n.kind is NodeKind.PARAMETER]
+    assert all("S(0)" in str(n.outputs[0]) for n in inputs)  # the batch split
+    assert all(n.outputs[0].is_replicated() for n in params)  # the weights whole: data parallelism
+    assert "mesh: " in plan.summary() and f"* {plan.mesh.shape}" in plan.explain_mesh()
+    assert Plan.from_dict(plan.to_dict()).mesh_candidates == plan.mesh_candidates
+
+
+@pytest.mark.slow  # six budgeted solves of GPT-2
+def test_a_tight_budget_chooses_a_model_parallel_mesh():
+    # GPT-2 on the CPU preset keeps every weight whole; at half its footprint the weights
+    # are split (stored sharded or tensor parallel) on the cheapest mesh that fits
+    model = models.build("gpt2").train()
+    args, kwargs = models.inputs("gpt2", batch=4)
+    free = _chosen(model, args, kwargs, device="cpu")
+    assert all(n.outputs[0].is_replicated() for n in free.nodes if n.kind is NodeKind.PARAMETER)
+    budget = int(free.memory_bytes * 0.5)
+    plan = _chosen(model, args, kwargs, device="cpu", memory_budget_bytes=budget)
+    assert plan.memory_bytes <= budget
+    assert any(not n.outputs[0].is_replicated() for n in plan.nodes if n.kind is NodeKind.PARAMETER)
+    fitting = [c for c in plan.mesh_candidates if c.step_s is not None]
+    assert plan.total_s == pytest.approx(min(c.step_s for c in fitting))
+    with pytest.raises(autopar.SolverError, match=r"no mesh of 4 devices has a plan .*\n  \(4,\): MemoryBudgetError"):
+        _chosen(model, args, kwargs, device="cpu", memory_budget_bytes=1024)
+
+
+def test_auto_offline_needs_the_device_count_and_a_count_needs_auto():
+    with pytest.raises(autopar.MeshError, match="devices=8"):
+        autopar.plan(MLP(), (torch.randn(4, 16),), mesh="auto")
+    with pytest.raises(autopar.MeshError, match="goes with mesh='auto'"):
+        autopar.plan(MLP(), (torch.randn(4, 16),), mesh=(2, 2), devices=4)
+
+
+def test_compile_with_auto_runs_the_mesh_rank_0_chose(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, x = MLP().eval(), torch.randn(8, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(model, (x,), mesh="auto", device="cpu")
+            with pytest.raises(autopar.MeshError, match="pass example inputs"):
+                autopar.compile(model, mesh="auto")
+        assert pm.plan.mesh.shape == (1,) and [c.shape for c in pm.plan.mesh_candidates] == [(1,)]
+        torch.testing.assert_close(pm(x), model(x))
+    finally:
+        dist.destroy_process_group()
