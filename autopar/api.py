@@ -19,7 +19,7 @@ from autopar.core.plan import Plan
 from autopar.core.plan_book import PlanBook, given_plans
 from autopar.passes.plan import planner
 from autopar.passes.plan.buffer_layouts import LocalBuffers
-from autopar.passes.plan.mesh_choice import plan_mesh_choice
+from autopar.passes.plan.mesh_choice import check_mesh_request, plan_mesh_choice
 from autopar.passes.plan.planning import options_with
 from autopar.runtime.agree import agreed
 from autopar.runtime.generation import Generator
@@ -63,15 +63,17 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     world's ranks and all run the cheapest (plan.explain_mesh() lists them).
     """
     opts = _device_of(model, options_with(options, option_overrides), materialize_on)
+    seeds: tuple[Plan, ...] = ()  # mesh="auto": rank 0's plan of these inputs, further signatures solved
     if isinstance(mesh, str) and mesh == AUTO_MESH:
-        plan, mesh = _mesh_chosen_on_rank0(model, args, kwargs, opts, plan)
+        chosen = _mesh_chosen_on_rank0(model, args, kwargs, opts, plan)
+        seeds, mesh = (chosen,), chosen.mesh
     book = given_plans(plan)[0]
     piped = next((p for p in (book.plans if book is not None else ()) if p.pipeline is not None), None)
     if opts.pipeline_axis is not None or piped is not None:  # a given pipelined plan runs as one
         return _pipelined(model, args, kwargs, Mesh.of(mesh), opts, piped or (book.plans[0] if book else None),
                           loss_fn)
     check_launch_layout(Mesh.of(mesh), opts.nodes)
-    pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on, loss_fn=loss_fn)
+    pm = ParallelModule(model, Mesh.of(mesh), opts, plan, materialize_on, seeds, loss_fn=loss_fn)
     if args is not None or kwargs is not None:
         if args is not None and not isinstance(args, (tuple, list)):
             args = (args,)
@@ -120,8 +122,7 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
     return planner.plan_model(model, args, kwargs, Mesh.of(mesh), opts)
 
 
-def _mesh_chosen_on_rank0(model: nn.Module, args: Any, kwargs: Optional[dict], opts: Options,
-                          given: Any) -> tuple[Plan, Mesh]:
+def _mesh_chosen_on_rank0(model: nn.Module, args: Any, kwargs: Optional[dict], opts: Options, given: Any) -> Plan:
     """compile(mesh="auto"): rank 0 plans every mesh of the world's ranks for these
     inputs and every rank takes its choice (agree.agreed)."""
     if given is not None:
@@ -134,8 +135,11 @@ def _mesh_chosen_on_rank0(model: nn.Module, args: Any, kwargs: Optional[dict], o
         raise ProcessGroupError("mesh='auto' needs the process group to count the ranks: run under torchrun "
                                 "(python -m autopar run) or call torch.distributed.init_process_group first")
     args = args if isinstance(args, (tuple, list)) or args is None else (args,)
-    chosen = agreed(lambda: plan_mesh_choice(model, tuple(args or ()), kwargs or {}, dist.get_world_size(), opts))
-    return chosen, chosen.mesh
+    check_mesh_request(opts)  # before anything is traced
+    world = dist.get_world_size()
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    check_node_layout(Mesh((world,)), opts.nodes, world, int(local) if local.isdigit() else None)
+    return agreed(lambda: plan_mesh_choice(model, tuple(args or ()), kwargs or {}, world, opts))
 
 
 def _device_of(model: nn.Module, opts: Options, materialize_on: Any = None) -> Options:

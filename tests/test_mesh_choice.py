@@ -83,5 +83,11 @@ def test_compile_with_auto_runs_the_mesh_rank_0_chose(tmp_path):
                 autopar.compile(model, mesh="auto")
         assert pm.plan.mesh.shape == (1,) and [c.shape for c in pm.plan.mesh_candidates] == [(1,)]
         torch.testing.assert_close(pm(x), model(x))
+        assert pm.solve_count == 0  # the inputs compile saw were planned by the mesh choice
+        y = torch.randn(5, 16)  # a new signature is planned as with a given mesh
+        torch.testing.assert_close(pm(y), model(y))
+        assert pm.solve_count == 1
+        with pytest.raises(autopar.OptionsError, match="cost_model='profile' measures on one mesh"):
+            autopar.compile(model, (x,), mesh="auto", cost_model="profile")
     finally:
         dist.destroy_process_group()

@@ -177,11 +177,16 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
                         for a in d.get("links", ())),
             pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None,
             stage_plans=tuple(d.get("stage_plans", ())),
-            mesh_candidates=tuple(MeshCandidate(tuple(c["shape"]), c["step_s"], c["memory_bytes"], c.get("refusal", ""))
+            mesh_candidates=tuple(MeshCandidate(tuple(int(n) for n in c["shape"]), _maybe(float, c["step_s"]),
+                                                _maybe(int, c["memory_bytes"]), str(c.get("refusal", "")))
                                   for c in d.get("mesh_candidates", ())))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e
     return _consistent(fields, source)
+
+
+def _maybe(kind: Any, value: Any) -> Any:
+    return None if value is None else kind(value)
 
 
 def _consistent(fields: dict, source: str) -> dict:

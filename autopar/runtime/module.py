@@ -83,13 +83,14 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     target=..., **kwargs) trains one step whichever it is."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, options: Options, plan: "Plan | PlanBook | str | None" = None,
-                 materialize_on: "torch.device | str | None" = None,
+                 materialize_on: "torch.device | str | None" = None, seeds: tuple[Plan, ...] = (),
                  local_buffers: Optional[LocalBuffers] = None, groups: Optional[MeshGroups] = None,
                  loss_fn: Optional[Callable[..., torch.Tensor]] = None, stages: Optional[Stages] = None) -> None:
         """`local_buffers`: buffers (a KV cache) whose layout is chosen among candidate
         splits by solving once per candidate, each rank then keeping its block of their
         updates without communication (passes/plan/buffer_layouts.py). `groups`: the groups of
-        a sub-mesh (a pipeline stage's, groups.stage_groups); default: the whole world.
+        a sub-mesh (a pipeline stage's, groups.stage_groups); default: the whole world. `seeds`:
+        plans rank 0 made already (mesh="auto"'s), used for their graphs instead of a solve.
         `loss_fn(output, target)`: what step() minimises. `stages`: a pipelined plan's."""
         super().__init__()
         self.mesh, self.options, self.stages = mesh, options, stages
@@ -113,6 +114,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         self._pinned: Optional[dict[str, tuple[Placement, ...]]] = None  # layouts later plans keep
         self._armed: Optional[GradBuckets] = None  # the buckets the running backward fills
         self._given, self._given_source = given_plans(plan)
+        self._seeds = {p.fingerprint: p for p in seeds}
         self.local_buffers = local_buffers
         super().train(model.training)  # pm.training says what the model is traced in
         self.trace_count = 0  # traces this rank took part in (rank 0 traces, the others load its graph)
@@ -140,8 +142,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         """The last finished step's time, tokens/s per device, MFU and peak memory (None
         until the second call: a step ends as the next starts; autopar/runtime/metrics.py)."""
         if self.stages is not None:
-            raise PipelineError("per-step metrics are measured for plans of one program; a pipelined plan's "
-                                "are not yet")
+            raise PipelineError("per-step metrics are measured for plans of one program, not pipelines yet")
         return self.meter.last
 
     @property
@@ -285,8 +286,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
 
     @property
     def plans(self) -> list[PlannedSignature]:
-        """The input signatures planned so far, in order (with Options.dynamic, each with
-        its symbolic dims, their ranges and the sizes the plan was priced at)."""
+        """The input signatures planned so far, in order (dynamic: with dims, ranges, priced-at sizes)."""
         return self.programs.signatures()
 
     def _compiled(self, args: tuple, kwargs: dict) -> Compiled:
@@ -321,8 +321,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         return Compiled(traced, plan, program, buckets, run)
 
     def _profile(self):
-        """Options.cost_model == "profile": this machine's cached profile, with the mesh's
-        links calibrated now if it lacks them (every rank takes part)."""
+        """cost_model "profile": this machine's profile, its links calibrated now if missing (all ranks)."""
         if self.options.cost_model is not CostSource.PROFILE:
             return None
         return profile_for_mesh(self._profile_path(), self.mesh, self.comms, self.device, self.options.nodes)
@@ -334,6 +333,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         """Rank 0's solve; with a profile, the ops the strategies would run are timed first
         (the program timed whole only without local buffers, whose plans are chosen among
         several)."""
+        if traced.fingerprint in self._seeds:  # mesh="auto" planned this graph already
+            return self._seeds[traced.fingerprint]
         self.solve_count += 1
         timed = None if self.local_buffers is not None else user
         return plan_graph(traced, self.mesh, self.options, self._pinned, self.local_buffers,

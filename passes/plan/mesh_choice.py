@@ -21,7 +21,7 @@ from torch import nn
 
 from autopar.core.errors import MeshError, OptionsError, SolverError
 from autopar.core.mesh import Mesh
-from autopar.core.options import Options
+from autopar.core.options import CostSource, Options
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import MeshCandidate
 from autopar.passes.plan.planner import plan_graph
@@ -63,11 +63,19 @@ def mesh_candidates(devices: int, nodes: int = 1) -> tuple[Mesh, ...]:
     return tuple(Mesh(s) for s in shapes)
 
 
+def check_mesh_request(options: Options) -> None:
+    """What mesh="auto" cannot choose among yet, refused before anything is traced."""
+    if options.pipeline_axis is not None or options.dynamic is not None:
+        raise OptionsError("mesh='auto' chooses among plain plans only: give a mesh with pipeline_axis= or dynamic=")
+    if options.cost_model is CostSource.PROFILE:
+        raise OptionsError("mesh='auto' prices its candidates analytically or by a saved profile: cost_model="
+                           "'profile' measures on one mesh, so give that mesh")
+
+
 def chosen_plan(traced: TracedGraph, devices: int, options: Options) -> Plan:
     """The cheapest plan of `traced` over the meshes of `devices` devices, with every
     candidate recorded; a SolverError listing them when none has a plan."""
-    if options.pipeline_axis is not None or options.dynamic is not None:
-        raise OptionsError("mesh='auto' chooses among plain plans only: give a mesh with pipeline_axis= or dynamic=")
+    check_mesh_request(options)
     tried: list[MeshCandidate] = []
     best: Optional[Plan] = None
     for mesh in mesh_candidates(devices, options.nodes):
@@ -90,5 +98,6 @@ def chosen_plan(traced: TracedGraph, devices: int, options: Options) -> Plan:
 
 def plan_mesh_choice(model: nn.Module, args: Any, kwargs: Optional[dict], devices: int, options: Options) -> Plan:
     """chosen_plan of `model` traced once with these inputs."""
+    check_mesh_request(options)
     args, kwargs = planning_inputs(model, args, kwargs)
     return chosen_plan(trace(model, args, kwargs, options.param_dtype), devices, options)
