@@ -73,7 +73,8 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
     return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": _grad_pairs(pm, ref_grads, rank),
             "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements(),
             "shared_blocks": plan.solver.shared_blocks,
-            "attention": [str(n.outputs[0]) for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"]}
+            "attention": [str(n.outputs[0]) for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"],
+            "mesh": plan.mesh.shape, "mesh_candidates": [c.shape for c in plan.mesh_candidates]}
 
 
 def _planned_on_rank0(make):

@@ -54,6 +54,7 @@ def four_ranks():
     batch += [(cases.vocab_parallel_embedding, dict(mesh=(2, 2)))]
     batch += [(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
     batch += [(cases.gradient_equivalence, kw) for kw in CONTEXT_PARALLEL_4]
+    batch += [(cases.gradient_equivalence, dict(model="llama", mesh="auto", batch=4))]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -148,6 +149,14 @@ def test_context_parallel_matches(four_ranks, eight_ranks, kw):
     per_rank = (four_ranks if len(kw["mesh"]) == 1 else eight_ranks)[_key(cases.gradient_equivalence, kw)]
     assert per_rank[0]["attention"] and all(a == CONTEXT_LAYOUTS[kw["style"]] for a in per_rank[0]["attention"]), \
         per_rank[0]["attention"]
+    _check_gradients(per_rank)
+
+
+def test_the_mesh_rank_0_chose_trains_like_one_device(four_ranks):
+    # mesh="auto" on 4 ranks: rank 0 plans (4,) and (2, 2), every rank runs the cheaper
+    per_rank = four_ranks[_key(cases.gradient_equivalence, dict(model="llama", mesh="auto", batch=4))]
+    assert per_rank[0]["mesh_candidates"] == [(4,), (2, 2)]
+    assert {res["mesh"] for res in per_rank} == {per_rank[0]["mesh"]}
     _check_gradients(per_rank)
 
 
