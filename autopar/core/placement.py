@@ -245,16 +245,21 @@ def replicated(meta: TensorMeta, mesh_ndim: int) -> Spec:
     return Spec((R,) * mesh_ndim, meta)
 
 
+def chunk_of(spec: Spec, dim: int, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[int, int, int]:
+    """(which chunk, of how many, in units of) `dim` the rank at `coords` holds."""
+    chunk, ways, unit = 0, 1, 1
+    for a in spec.shard_axes(dim):  # outermost first
+        chunk, ways = chunk * mesh_shape[a] + coords[a], ways * mesh_shape[a]
+        unit = max(unit, spec.placements[a].unit)  # type: ignore[union-attr]
+    return chunk, ways, unit
+
+
 def block_index(spec: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[slice, ...]:
     """Index of the block the rank at `coords` holds: full[block_index(...)] == its shard.
     Lets a loader read just that slice of a tensor from a file."""
     index = []
     for d, size in enumerate(spec.meta.shape):
-        chunk, ways, unit = 0, 1, 1
-        for a in spec.shard_axes(d):  # outermost first
-            chunk = chunk * mesh_shape[a] + coords[a]
-            ways *= mesh_shape[a]
-            unit = max(unit, spec.placements[a].unit)  # type: ignore[union-attr]
+        chunk, ways, unit = chunk_of(spec, d, mesh_shape, coords)
         step = largest_block(size, ways, unit)  # torch.chunk's block: the last ones may be short
         index.append(slice(min(chunk * step, size), min((chunk + 1) * step, size)))
     return tuple(index)

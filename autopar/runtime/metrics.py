@@ -119,13 +119,11 @@ class StepMeter:
     def begin(self, plan: Plan, traced, tensors: Sequence[torch.Tensor], local: bool, backward: bool) -> None:
         """The step started by start() runs `plan` (traced as `traced`) on these input
         leaves (this rank's blocks where `local`), with autograd where `backward`."""
-        at_trace = traced_leaves(traced)
-        paths = traced.input_paths
-        tokens = token_count(at_trace if local else [(t.dtype, tuple(t.shape)) for t in tensors], paths)
-        key = (id(plan), backward)
-        if key not in self._flops:
-            self._flops[key] = (plan_flops(plan, backward), token_count(at_trace, paths))
+        paths, key = traced.input_paths, (id(plan), backward)
+        if key not in self._flops:  # once per plan: the rest of a call is a look at its inputs
+            self._flops[key] = (plan_flops(plan, backward), token_count(traced_leaves(traced), paths))
         flops, planned = self._flops[key]
+        tokens = planned if local else token_count([(t.dtype, tuple(t.shape)) for t in tensors], paths)
         self._open = (self._started, tokens, flops * tokens / max(planned, 1), plan.device)
 
     def _metrics(self, seconds: float, tokens: int, flops: float, device: str) -> StepMetrics:

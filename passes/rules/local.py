@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from autopar.core.placement import block_index, largest_block
+from autopar.core.placement import block_index, chunk_of, largest_block
 
 aten = torch.ops.aten
 
@@ -67,36 +67,24 @@ def localize_call(target: Any, args: tuple, kwargs: dict, inputs: tuple, outputs
         # dim locally: drop only the dims that are unit dims of the whole tensor
         return aten.squeeze.dims, (args[0], [d for d, n in enumerate(inputs[0].meta.shape) if n == 1]), kwargs
     if target is aten.embedding.default and inputs and inputs[0].shard_axes(0):
-        start = _block_start(inputs[0], 0, mesh_shape, coords, "a vocabulary-split embedding")
+        start = block_index(inputs[0], mesh_shape, _needed(coords, "a vocabulary-split embedding"))[0].start
         return embedding_block, (args[0], args[1], start) + tuple(args[2:]), kwargs
     if target is aten.scaled_dot_product_attention.default and inputs and inputs[0].shard_axes(2) \
             and sdpa_is_causal(args, kwargs):
-        if coords is None:
-            raise ValueError("causal attention split along the sequence needs the rank's mesh coordinates")
-        return causal_rows_attention, _chunk_of(inputs[0], 2, mesh_shape, coords) + tuple(args), kwargs
+        chunk = chunk_of(inputs[0], 2, mesh_shape, _needed(coords, "causal attention split along the sequence"))
+        return causal_rows_attention, chunk + tuple(args), kwargs
     return target, args, kwargs
 
 
-def _chunk_of(spec: Any, dim: int, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[int, int, int]:
-    """(which chunk, of how many, in units of) `dim` the rank at `coords` holds, as
-    block_index counts them."""
-    chunk, ways, unit = 0, 1, 1
-    for a in spec.shard_axes(dim):  # outermost first
-        chunk, ways = chunk * mesh_shape[a] + coords[a], ways * mesh_shape[a]
-        unit = max(unit, spec.placements[a].unit)
-    return chunk, ways, unit
+def _needed(coords: Optional[tuple[int, ...]], what: str) -> tuple[int, ...]:
+    if coords is None:
+        raise ValueError(f"{what} needs the rank's mesh coordinates")
+    return coords
 
 
 def sdpa_is_causal(args: tuple, kwargs: dict) -> bool:
     """sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale, enable_gqa)."""
     return bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
-
-
-def _block_start(spec: Any, dim: int, mesh_shape: tuple[int, ...], coords: Optional[tuple[int, ...]],
-                 what: str) -> int:
-    if coords is None:
-        raise ValueError(f"{what} needs the rank's mesh coordinates")
-    return block_index(spec, mesh_shape, coords)[dim].start
 
 
 def embedding_block(weight: torch.Tensor, indices: torch.Tensor, start: int, padding_idx: int = -1,
