@@ -89,6 +89,7 @@ def test_a_budget_that_is_no_number_is_refused():
         autopar.Options(memory_budget_bytes="lots")
 
 
+@pytest.mark.slow  # three solves of GPT-2
 def test_the_default_budget_binds_only_where_the_free_plan_would_not_fit(monkeypatch):
     # on a card the fastest plan fits, "auto" gives that plan, solved without a bound (the
     # same ILP as None); on a card it does not fit, the plan is bounded to 90 % of it

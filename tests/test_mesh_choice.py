@@ -71,6 +71,7 @@ def test_auto_offline_needs_the_device_count_and_a_count_needs_auto():
         autopar.plan(MLP(), (torch.randn(4, 16),), mesh=(2, 2), devices=4)
 
 
+@pytest.mark.slow  # two compiles and a third solve
 def test_compile_with_auto_runs_the_mesh_rank_0_chose(tmp_path):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
