@@ -45,6 +45,7 @@ _EXPORTS = {
     "compile_for_generation": "autopar.api", "plan_for_generation": "autopar.api", "Generator": "autopar.runtime.generation",
     "CacheLimitError": "autopar.core.errors", "CacheReleasedError": "autopar.core.errors",
     "PlanChangedWarning": "autopar.runtime.resume",
+    "WorldChangedWarning": "autopar.runtime.world_change", "ElasticSampler": "autopar.runtime.data",
     "save_training_checkpoint": "autopar.api", "load_training_checkpoint": "autopar.api", "resume": "autopar.api",
     "latest_checkpoint": "autopar.api", "CheckpointManifest": "autopar.api", "CheckpointError": "autopar.core.errors",
     "GradientError": "autopar.core.errors", "PipelineMemoryError": "autopar.core.pipeline",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 from typing import Any, Optional
@@ -61,8 +62,13 @@ def compile(model: nn.Module, args: Optional[tuple] = None, kwargs: Optional[dic
     `loss_fn` given, pm.step(*args, target=..., **kwargs) trains one step whatever the plan.
     mesh="auto" (with example inputs): rank 0 plans every 1-, 2- and 3-axis mesh of the
     world's ranks and all run the cheapest (plan.explain_mesh() lists them).
+    mesh=fn (a function of the world size, e.g. lambda world: (world // 2, 2)): the mesh
+    fn returns for the process group's size, so one script runs on whatever world
+    torchrun's elastic agent gives it (resume() then reshards the checkpoint onto it).
     """
     opts = _device_of(model, options_with(options, option_overrides), materialize_on)
+    if callable(mesh):
+        mesh = _mesh_of_world(mesh)
     seeds: tuple[Plan, ...] = ()  # mesh="auto": rank 0's plan of these inputs, further signatures solved
     if isinstance(mesh, str) and mesh == AUTO_MESH:
         chosen = _mesh_chosen_on_rank0(model, args, kwargs, opts, plan)
@@ -122,6 +128,26 @@ def plan(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None, *, mes
     return planner.plan_model(model, args, kwargs, Mesh.of(mesh), opts)
 
 
+def _mesh_of_world(mesh_fn: Any) -> tuple[int, ...]:
+    """compile(mesh=fn): fn(world size), checked to be a mesh shape of that many ranks."""
+    world = _world_size("mesh=fn")
+    shape = mesh_fn(world)
+    ok = isinstance(shape, (tuple, list)) and shape and all(type(s) is int and s >= 1 for s in shape)
+    if not ok or math.prod(shape) != world:
+        raise MeshError(f"mesh={getattr(mesh_fn, '__name__', mesh_fn)} returned {shape!r} for a world of {world} "
+                        f"ranks; it must return a tuple of positive ints whose product is {world}")
+    return tuple(shape)
+
+
+def _world_size(asked: str) -> int:
+    """The process group's size (started under torchrun where none exists yet)."""
+    start_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ProcessGroupError(f"{asked} needs the process group to count the ranks: run under torchrun "
+                                "(python -m autopar run) or call torch.distributed.init_process_group first")
+    return dist.get_world_size()
+
+
 def _mesh_chosen_on_rank0(model: nn.Module, args: Any, kwargs: Optional[dict], opts: Options, given: Any) -> Plan:
     """compile(mesh="auto"): rank 0 plans every mesh of the world's ranks for these
     inputs and every rank takes its choice (agree.agreed)."""
@@ -130,13 +156,9 @@ def _mesh_chosen_on_rank0(model: nn.Module, args: Any, kwargs: Optional[dict], o
     if args is None and kwargs is None:
         raise MeshError("mesh='auto' plans at compile time: pass example inputs, "
                         "autopar.compile(model, args, kwargs, mesh='auto')")
-    start_process_group()
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ProcessGroupError("mesh='auto' needs the process group to count the ranks: run under torchrun "
-                                "(python -m autopar run) or call torch.distributed.init_process_group first")
+    world = _world_size("mesh='auto'")
     args = args if isinstance(args, (tuple, list)) or args is None else (args,)
     check_mesh_request(opts)  # before anything is traced
-    world = dist.get_world_size()
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     check_node_layout(Mesh((world,)), opts.nodes, world, int(local) if local.isdigit() else None)
     return agreed(lambda: plan_mesh_choice(model, tuple(args or ()), kwargs or {}, world, opts))

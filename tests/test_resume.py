@@ -97,8 +97,8 @@ def _damaged_copies(good: str, root: str) -> dict:
     """Rank 0 copies `good` and damages each copy one way; every rank gets the paths."""
     paths = {k: os.path.join(root, name) for k, name in [
         ("temp", "step-00000002.tmp-deadbeef"), ("no_marker", "step-00000003"), ("truncated", "step-00000004"),
-        ("flipped", "step-00000005"), ("other_world", "step-00000006"), ("missing", "step-00000007"),
-        ("intact", "step-00000001")]}
+        ("flipped", "step-00000005"), ("other_model", "step-00000006"), ("missing", "step-00000007"),
+        ("pipelined_other_world", "step-00000000"), ("intact", "step-00000001")]}
     if dist.get_rank() == 0:
         for path in paths.values():
             shutil.copytree(good, path)
@@ -113,11 +113,13 @@ def _damaged_copies(good: str, root: str) -> dict:
             f.seek(100)
             f.write(bytes([byte[0] ^ 0xFF]))
         os.remove(os.path.join(paths["missing"], ".metadata"))
-        marker = os.path.join(paths["other_world"], MANIFEST)
-        with open(marker) as f:
-            data = json.load(f)
-        with open(marker, "w") as f:
-            json.dump({**data, "world_size": 4, "mesh": [2, 2]}, f)
+        for kind, change in (("other_model", {"model_digest": "0" * 16}),
+                             ("pipelined_other_world", {"world_size": 4, "mesh": [2, 2], "pipeline": {"axis": 0}})):
+            marker = os.path.join(paths[kind], MANIFEST)
+            with open(marker) as f:
+                data = json.load(f)
+            with open(marker, "w") as f:
+                json.dump({**data, **change}, f)
     dist.barrier()
     return paths
 
@@ -253,7 +255,8 @@ def test_resume_restores_optimizer_rng_and_position(two_ranks):
 
 @pytest.mark.parametrize("kind, words", [
     ("temp", "incomplete"), ("no_marker", "incomplete"), ("truncated", "bytes, the manifest says"),
-    ("flipped", "crc32"), ("other_world", "saved by 4 ranks on mesh (2, 2)"), ("missing", "missing its file")])
+    ("flipped", "crc32"), ("other_model", "saved from another model"),
+    ("pipelined_other_world", "keyed by pipeline stage"), ("missing", "missing its file")])
 def test_damaged_checkpoint_is_refused(two_ranks, kind, words):
     for per_rank in two_ranks:
         res = per_rank[1]

@@ -36,6 +36,7 @@ class CheckpointManifest:
     param_groups: Optional[tuple] = None  # the optimiser's parameter names per group; None: saved without one
     # (pipelined: one such tuple per rank, each rank's optimiser holding its own stages' parameters)
     pipeline: Optional[dict] = None  # a pipelined model's split (pipeline_state.pipeline_layout); None: not pipelined
+    data: Optional[dict] = None  # the data position's state (e.g. an ElasticSampler's); None: none was saved
     torch_version: str = torch.__version__
     format: int = FORMAT
 

@@ -164,16 +164,16 @@ class PipelineCheckpoint:
         return {self.prefix + k if self._own(k) else k: v
                 for k, v in training_entries(self.shards, optimizer, rank).items()}
 
-    def targets(self, optimizer: Any, metadata: Any, rank: int, path: str) -> dict[str, Any]:
+    def targets(self, optimizer: Any, metadata: Any, rng_rank: int, path: str) -> dict[str, Any]:
         """load_targets over this coordinate's keys only, prefixed back for dcp.load."""
         mine = {k[len(self.prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(self.prefix)}
         mine.update({k: md for k, md in metadata.state_dict_metadata.items() if not k.startswith("pipe")})
-        own = load_targets(self.shards, optimizer, SimpleNamespace(state_dict_metadata=mine), rank, path)
+        own = load_targets(self.shards, optimizer, SimpleNamespace(state_dict_metadata=mine), rng_rank, path)
         return {self.prefix + k if self._own(k) else k: v for k, v in own.items()}
 
-    def restore(self, optimizer: Any, loaded: dict[str, Any], rank: int, path: str) -> None:
+    def restore(self, optimizer: Any, loaded: dict[str, Any], rng_rank: int, path: str) -> None:
         restore(self.shards, optimizer, {k[len(self.prefix):] if k.startswith(self.prefix) else k: v
-                                         for k, v in loaded.items()}, rank, path)
+                                         for k, v in loaded.items()}, rng_rank, path)
 
     def group_names(self, optimizer: Any) -> list[list[Any]]:
         return param_group_names(self.shards, optimizer)

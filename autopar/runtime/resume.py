@@ -33,10 +33,11 @@ does. Then dcp.load fills shards, optimiser and RNGs. `resume` lets rank 0 choos
 newest complete checkpoint and broadcasts its path, so all ranks load the same one even
 if a save completes while they look.
 
-What must match: world size and mesh (each rank restores its own RNG streams, and the
-per-rank programs are the mesh's) and the model (names, shapes, dtypes). Another plan on
-the same mesh only warns (PlanChangedWarning): DCP reshards weights and optimiser states
-exactly, but the continuation runs other programs, so it is not bit-identical.
+What must match: the model (names, shapes, dtypes) and the optimiser's parameter groups.
+Another plan on the same mesh only warns (PlanChangedWarning): DCP reshards weights and
+optimiser states exactly, but the continuation runs other programs, so it is not
+bit-identical. Another world size or mesh warns too (WorldChangedWarning;
+autopar/runtime/world_change.py says what carries over), except for a pipelined model.
 
 Why: torchrun's elastic agent restarts the whole group after a lost rank, at any moment
 of a save. The restarted group must find a checkpoint that is whole and must continue as
@@ -63,6 +64,7 @@ from autopar.runtime.checkpoint_files import (MANIFEST, CheckpointManifest, chec
                                               file_facts, fsync_dir, latest_checkpoint, list_files,
                                               verify_files)
 from autopar.runtime.checkpoint_view import CheckpointView
+from autopar.runtime.world_change import DataPosition, check_world, data_mismatch, rng_source, warn_world_changed
 
 _TEMP = ".tmp-"
 _STALE = ".stale-"  # a later step's checkpoint set aside by a save of an earlier step
@@ -74,11 +76,15 @@ class PlanChangedWarning(UserWarning):
 
 # ---- save -------------------------------------------------------------------------------
 def save_training_checkpoint(pm: Any, optimizer: Any, root: "str | os.PathLike", step: int, *,
-                             keep: Optional[int] = 2, extra: Optional[dict] = None) -> str:
+                             keep: Optional[int] = 2, extra: Optional[dict] = None,
+                             data: Optional[DataPosition] = None) -> str:
     """Save model shards, optimiser state, `step` and the RNGs of every rank under
     root/step-N, atomically (see the module docstring); every rank calls it. Keeps the
-    newest `keep` checkpoints (None: all). Returns the checkpoint's path."""
-    _check_save_arguments(step, keep, extra)
+    newest `keep` checkpoints (None: all). `data`: a data position (an ElasticSampler,
+    or anything with state_dict/load_state_dict of JSON values) recorded in the manifest.
+    Returns the checkpoint's path."""
+    position = data.state_dict() if data is not None else None
+    _check_save_arguments(step, keep, extra, position)
     view = _view(pm)
     view.require_plan("saving")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -101,7 +107,7 @@ def save_training_checkpoint(pm: Any, optimizer: Any, root: "str | os.PathLike",
         files = sorted(f for part in facts for f in part)
         groups = view.recorded_groups(optimizer) if optimizer is not None else None
         stale = _on_rank0(f"completing checkpoint {final}", temp,  # 4.
-                          lambda: _complete(temp, final, _manifest(view, step, world, files, extra or {}, groups)))
+                          lambda: _complete(temp, final, _manifest(view, step, world, files, extra or {}, groups, position)))
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
@@ -115,7 +121,7 @@ def save_training_checkpoint(pm: Any, optimizer: Any, root: "str | os.PathLike",
     return final
 
 
-def _check_save_arguments(step: int, keep: Optional[int], extra: Optional[dict]) -> None:
+def _check_save_arguments(step: int, keep: Optional[int], extra: Optional[dict], position: Optional[dict]) -> None:
     """Checked on every rank before any collective, so all refuse alike."""
     if type(step) is not int or step < 0:
         raise CheckpointError(f"step={step!r}: pass the number of steps done (an int >= 0); it is where a resume "
@@ -131,6 +137,12 @@ def _check_save_arguments(step: int, keep: Optional[int], extra: Optional[dict])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra={extra!r} cannot be written to the JSON manifest ({e}); pass JSON values "
                               "(numbers, strings, lists, dicts)") from None
+    if position is not None:
+        try:
+            json.dumps(position, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"data= gave the state {position!r}, which cannot be written to the JSON manifest "
+                                  f"({e}); a data position's state_dict() must hold JSON values") from None
 
 
 def _on_rank0(doing: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -150,12 +162,13 @@ def _on_rank0(doing: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _manifest(view: CheckpointView, step: int, world: int, files: list, extra: dict,
-              groups: Optional[list]) -> CheckpointManifest:
+              groups: Optional[list], position: Optional[dict]) -> CheckpointManifest:
     model, layout, plan = view.digests()
     return CheckpointManifest(
         step=step, world_size=world, mesh=tuple(view.mesh.shape), model_digest=model, layout_digest=layout,
         plan_digest=plan, files=tuple(files), extra=dict(extra),
-        param_groups=None if groups is None else tuple(tuple(g) for g in groups), pipeline=view.layout)
+        param_groups=None if groups is None else tuple(tuple(g) for g in groups), pipeline=view.layout,
+        data=position)
 
 
 def _complete(temp: str, final: str, manifest: CheckpointManifest) -> list[str]:
@@ -196,13 +209,20 @@ def _prune(root: str, keep: Optional[int], keep_path: str) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------
-def load_training_checkpoint(pm: Any, optimizer: Any, path: "str | os.PathLike") -> CheckpointManifest:
-    """Restore model shards, optimiser state (optimizer=None skips it) and this rank's
-    RNGs from a complete checkpoint; every rank calls it with the same path. Returns its
-    manifest (manifest.step is where to continue). A checkpoint that is incomplete,
-    damaged or made for another world size, mesh, model or optimiser raises
-    CheckpointError on every rank, before anything is changed: dcp.load fills fresh
-    tensors, copied into the model only once everything was read."""
+def load_training_checkpoint(pm: Any, optimizer: Any, path: "str | os.PathLike", *,
+                             data: Optional[DataPosition] = None) -> CheckpointManifest:
+    """Restore model shards, optimiser state (optimizer=None skips it), the RNGs and the
+    data position (`data`, where one was saved) from a complete checkpoint; every rank
+    calls it with the same path. Returns its manifest (manifest.step is where to
+    continue). A checkpoint that is incomplete, damaged or made for another model or
+    optimiser raises CheckpointError on every rank, before anything is changed: dcp.load
+    fills fresh tensors, copied into the model only once everything was read.
+
+    Another world size or mesh (a non-pipelined model's) loads too, with one
+    WorldChangedWarning: DCP reshards every weight and optimiser state onto this plan's
+    layouts exactly, and rank r restores the RNG streams saved by rank r % (old world
+    size), so the ranks that remain continue their own streams (world_change.py says
+    what is and is not reproducible)."""
     path = os.fspath(path)
     view = _view(pm)
     view.require_plan("loading")
@@ -210,11 +230,11 @@ def load_training_checkpoint(pm: Any, optimizer: Any, path: "str | os.PathLike")
     manifest, problem, reader, targets = None, None, None, None
     try:
         manifest = _checked_manifest(view, optimizer, path, world)
-        problem = verify_files(path, manifest.files[rank::world])
+        problem = verify_files(path, manifest.files[rank::world]) or data_mismatch(data, manifest, path)
         if problem is None:
             reader = dcp.FileSystemReader(path)
             metadata = reader.read_metadata()
-            targets = view.targets(optimizer, metadata, rank, path)
+            targets = view.targets(optimizer, metadata, rng_source(rank, manifest), path)
     except CheckpointError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable .metadata on one rank must reach every rank
@@ -232,28 +252,35 @@ def load_training_checkpoint(pm: Any, optimizer: Any, path: "str | os.PathLike")
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException), named
         raise CheckpointError(f"reading checkpoint {path} failed ({_reason(e)}); it is damaged or was "
                               "not written by save_training_checkpoint: resume from an earlier one", path) from e
-    view.restore(optimizer, targets, rank, path)
-    _warn_if_replanned(view, manifest, path)
+    view.restore(optimizer, targets, rng_source(rank, manifest), path)
+    if data is not None and manifest.data is not None:
+        data.load_state_dict(manifest.data)
+    if manifest.world_size != world or tuple(manifest.mesh) != tuple(view.mesh.shape):
+        warn_world_changed(manifest, world, tuple(view.mesh.shape), path)
+    else:
+        _warn_if_replanned(view, manifest, path)
     return manifest
 
 
-def resume(pm: Any, optimizer: Any, root: "str | os.PathLike", *,
-           fallback: bool = False) -> Optional[CheckpointManifest]:
+def resume(pm: Any, optimizer: Any, root: "str | os.PathLike", *, fallback: bool = False,
+           data: Optional[DataPosition] = None) -> Optional[CheckpointManifest]:
     """Load the newest complete checkpoint under root on every rank (rank 0 chooses,
-    all follow); None when there is none yet (start from step 0). fallback=True: when a
-    checkpoint is refused (damaged, or made for another run), warn and try the next
-    older one; a refused load changes nothing, so the one that loads is restored whole.
-    CheckpointError if every one is refused."""
+    all follow), with its data position into `data`; None when there is none yet (start
+    from step 0). It may come from another world size (load_training_checkpoint):
+    compile with mesh="auto" or mesh=lambda world: ... to re-plan for this one.
+    fallback=True: when a checkpoint is refused (damaged, or made for another run), warn
+    and try the next older one; a refused load changes nothing, so the one that loads is
+    restored whole. CheckpointError if every one is refused."""
     root = os.fspath(root)
     if not fallback:
         path = _on_rank0(f"looking for checkpoints under {root}", root, latest_checkpoint, root)
-        return None if path is None else load_training_checkpoint(pm, optimizer, path)
+        return None if path is None else load_training_checkpoint(pm, optimizer, path, data=data)
     paths = _on_rank0(f"looking for checkpoints under {root}", root,
                       lambda: [p for _, p in reversed(complete_checkpoints(root))])
     refused = []
     for path in paths:
         try:
-            return load_training_checkpoint(pm, optimizer, path)
+            return load_training_checkpoint(pm, optimizer, path, data=data)
         except CheckpointError as e:  # raised alike on every rank, so all try the same next one
             refused.append(str(e))
             warnings.warn(f"resume(fallback=True): {e}; trying an older checkpoint", stacklevel=2)
@@ -287,11 +314,7 @@ def _checked_manifest(view: CheckpointView, optimizer: Any, path: str, world: in
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint manifest {marker} is unreadable ({e}); resume from another "
                               "checkpoint", path) from None
-    if (manifest.world_size, tuple(manifest.mesh)) != (world, tuple(view.mesh.shape)):
-        raise CheckpointError(f"checkpoint {path} was saved by {manifest.world_size} ranks on mesh "
-                              f"{tuple(manifest.mesh)}; this run has {world} ranks on mesh {tuple(view.mesh.shape)}. "
-                              "Resume with the same world size and mesh (each rank restores its own RNG "
-                              "states)", path)
+    check_world(manifest, view.layout, world, tuple(view.mesh.shape), path)
     view.check_layout(manifest.pipeline, path)
     if manifest.model_digest != view.digests()[0]:
         raise CheckpointError(f"checkpoint {path} was saved from another model (state names, shapes or dtypes "

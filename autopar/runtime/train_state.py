@@ -45,7 +45,7 @@ def training_entries(pm: ShardedModel, optimizer: Any, rank: int) -> dict[str, A
     return out
 
 
-def load_targets(pm: ShardedModel, optimizer: Any, metadata: Metadata, rank: int, path: str) -> dict[str, Any]:
+def load_targets(pm: ShardedModel, optimizer: Any, metadata: Metadata, rng_rank: int, path: str) -> dict[str, Any]:
     """Tensors (and placeholders for objects) of the right shapes for dcp.load to fill:
     fresh ones, not the live shards, so a load that fails halfway changes nothing."""
     out: dict[str, Any] = {f"model/{name}": checkpoint_target(spec, pm, pm.state_tensors[name].dtype)
@@ -58,20 +58,21 @@ def load_targets(pm: ShardedModel, optimizer: Any, metadata: Metadata, rank: int
             if key.startswith("optim/") and key != GROUPS_KEY:
                 out[key] = _optimizer_target(pm, key, md, path)
         out[GROUPS_KEY] = None
-    out[rng_key(rank)] = None
+    out[rng_key(rng_rank)] = None
     return out
 
 
-def restore(pm: ShardedModel, optimizer: Any, loaded: dict[str, Any], rank: int, path: str) -> None:
-    """Copy what dcp.load filled into the shards, the optimiser and this rank's RNGs (last:
-    nothing after it may draw); the optimiser's groups are checked before anything is copied."""
+def restore(pm: ShardedModel, optimizer: Any, loaded: dict[str, Any], rng_rank: int, path: str) -> None:
+    """Copy what dcp.load filled into the shards, the optimiser and the RNGs (those saved by
+    rank `rng_rank`; last: nothing after it may draw); the optimiser's groups are checked
+    before anything is copied."""
     state = _optimizer_state_dict(pm, optimizer, loaded, path) if optimizer is not None else None  # may refuse
     with torch.no_grad():
         for name, spec in pm.state_specs.items():
             pm.state_tensors[name].copy_(from_checkpoint(loaded[f"model/{name}"].to_local(), spec, pm))
     if optimizer is not None:
         optimizer.load_state_dict(state)
-    _set_rng_states(loaded[rng_key(rank)])
+    _set_rng_states(loaded[rng_key(rng_rank)])
 
 
 # ---- optimiser ------------------------------------------------------------------------
