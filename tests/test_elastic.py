@@ -23,7 +23,6 @@ that a lost optimiser moment (a 1e-3 effect) or a skipped batch (a 1e-2 one) fai
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
