@@ -47,10 +47,12 @@ def init_torchrun_group(timeout_s: float) -> None:
     numbered node-major: GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK). torchrun (2.4 and
     later) shares its agent's TCPStore with the workers and keeps it across restarts, so a
     restarted group would find the dead attempt's gloo addresses under the same keys
-    (pytorch/pytorch#135712); a prefix per attempt keeps each attempt's keys apart."""
+    (pytorch/pytorch#135712); a prefix per attempt keeps each attempt's keys apart. The
+    restart count alone does not name an attempt: a group regrown because a node joined
+    (--nnodes MIN:MAX) keeps the count of the attempt before it, but not its world size."""
     timeout = timedelta(seconds=timeout_s)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-world{world}"
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
 

@@ -23,6 +23,14 @@ that a lost optimiser moment (a 1e-3 effect) or a skipped batch (a 1e-2 one) fai
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
@@ -30,11 +38,12 @@ import torch
 
 import autopar
 from autopar.core.errors import CheckpointError, MeshError
+from autopar.runtime.checkpoint_files import MANIFEST, CheckpointManifest, verify_files
 from autopar.runtime.data import ElasticSampler
 from autopar.runtime.world_change import WorldChangedWarning
 from autopar.tools.simulated import CHEAP_COMM
 from tests import models
-from tests.harness import run_ranks
+from tests.harness import ROOT, plain_env, run_ranks
 
 SAMPLES, BATCH, SEQ, STEPS, SPLIT = 24, 4, 8, 6, 3
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
@@ -219,3 +228,120 @@ def test_a_foreign_position_is_refused_and_changes_nothing(state, words):
 def test_bad_sampler_arguments_are_refused(kw, words):
     with pytest.raises(ValueError, match=words):
         ElasticSampler(**kw)
+
+
+# ---- under torchrun's elastic agent: a node lost, the job shrinks, then grows back ---------------
+EXAMPLE = os.path.join(ROOT, "examples", "train_elastic.py")
+ELASTIC_ARGS = ["--mesh", "auto", "--steps", "16", "--every", "2", "--step-sleep", "0.3", "--dropout", "0.0",
+                "--timeout", "30"]
+
+
+def _agent(run_dir: str, nproc: int, log, *launch: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--monitor-interval",
+           "0.2", *launch, EXAMPLE, "--run-dir", run_dir, *ELASTIC_ARGS]
+    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+
+
+def _lines(run_dir: str, name: str) -> list[dict]:
+    try:
+        with open(os.path.join(run_dir, name)) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_for(seen, timeout_s: float, what: str, procs) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not seen():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise AssertionError(f"never saw {what}")
+        time.sleep(0.2)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL an agent and every process under it (its workers run in their own groups)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except OSError:
+                continue
+    todo, tree = [proc.pid], []
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _one_device_weights() -> dict:
+    """The example's 16 steps on the plain model in this process: the reference."""
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    import train_elastic as ex
+    args = ex.parser().parse_args(["--run-dir", "unused", *ELASTIC_ARGS])
+    data, model = ex.dataset(args), ex.build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-6)
+    for indices in ElasticSampler(len(data), args.batch, seed=args.data_seed):
+        ids = data[indices]
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.slow  # three launches, 8 rank starts (~90 s)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to kill a node's process tree")
+def test_a_lost_node_shrinks_the_job_and_a_later_launch_grows_it_back(tmp_path):
+    """Two agents (--nnodes 1:2, 2 ranks each, as two nodes) train on 4 ranks; node 1's
+    agent and workers are killed mid-run; the survivor's agent restarts its 2 ranks,
+    which re-plan (mesh="auto") and resume from the newest checkpoint; then that node is
+    lost too and a new 4-rank launch resumes and finishes. torchrun's agent would also
+    take a returning node into the running job (a membership change), but on torch 2.13
+    with both agents on one host that restart stalls in the rendezvous (the joining
+    agent waits for MASTER_ADDR, the other for its role info, until both time out), so
+    here the job grows back by a new launch."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    elastic = ["--nnodes", "1:2", "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--rdzv-conf",
+               "last_call_timeout=3,join_timeout=120,close_timeout=5"]
+    logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(3)]
+    try:
+        node0 = _agent(run_dir, 2, logs[0], *elastic)
+        time.sleep(1.0)  # node 0's agent hosts the rendezvous store: it must outlive node 1
+        node1 = _agent(run_dir, 2, logs[1], *elastic)
+        _wait_for(lambda: any(s["world"] == 4 and s["step"] >= 4 for s in _lines(run_dir, "steps.jsonl")), 300,
+                  "4-rank steps", [node0, node1])
+        _kill_tree(node1)
+        _wait_for(lambda: sum(s["world"] == 2 for s in _lines(run_dir, "steps.jsonl")) >= 5, 300,
+                  "the survivors' steps", [node0])
+        _kill_tree(node0)
+        regrown = _agent(run_dir, 4, logs[2], "--standalone")
+        assert regrown.wait(timeout=300) == 0, (tmp_path / "agent2.log").read_text()[-4000:]
+    finally:
+        for log in logs:
+            log.close()
+    starts = [a for a in _lines(run_dir, "attempts.jsonl") if a["event"] == "start"]
+    assert [(a["world"], a["resumed"]) for a in starts] == [(4, False), (2, True), (4, True)], starts
+    timeline: dict[int, dict] = {}
+    for s in _lines(run_dir, "steps.jsonl"):  # a step re-run after a loss: the later run counts
+        timeline[s["step"]] = s
+    assert sorted(timeline) == list(range(16))
+    assert sorted(i for s in timeline.values() for i in s["batch"]) == list(range(64))  # each sample once
+    assert {s["world"] for s in timeline.values()} == {2, 4}
+    final = torch.load(os.path.join(run_dir, "final.pt"))
+    for name, want in _one_device_weights().items():
+        torch.testing.assert_close(final[name], want, rtol=0, atol=WEIGHT_ATOL, msg=name)
+    root = os.path.join(run_dir, "checkpoints")
+    for name in os.listdir(root):  # every step-N is whole: a manifest whose files all check out
+        if ".tmp-" not in name:
+            manifest = CheckpointManifest.from_dict(json.load(open(os.path.join(root, name, MANIFEST))), name)
+            assert verify_files(os.path.join(root, name), manifest.files) is None, name

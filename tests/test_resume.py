@@ -346,12 +346,12 @@ def test_killed_rank_resumes_and_ends_where_an_uninterrupted_run_does(tmp_path):
     log, output = _torchrun(killed, "--kill-rank", "1", "--kill-step", "4")
     assert os.path.exists(os.path.join(killed, "killed.marker")), "rank 1 never killed itself"
     # the agent restarted the group once, and attempt 2 resumed at the step-3 checkpoint, not from scratch
-    assert log == [{"event": "start", "step": 0, "resumed": False, "restart": 0},
-                   {"event": "start", "step": 3, "resumed": True, "restart": 1},
-                   {"event": "end", "steps_run": 5, "restart": 1}], f"{log}\n{output}"
+    assert log == [{"event": "start", "step": 0, "resumed": False, "world": 2, "restart": 0},
+                   {"event": "start", "step": 3, "resumed": True, "world": 2, "restart": 1},
+                   {"event": "end", "steps_run": 5, "world": 2, "restart": 1}], f"{log}\n{output}"
     log, output = _torchrun(plain)
-    assert log == [{"event": "start", "step": 0, "resumed": False, "restart": 0},
-                   {"event": "end", "steps_run": 8, "restart": 0}], f"{log}\n{output}"
+    assert log == [{"event": "start", "step": 0, "resumed": False, "world": 2, "restart": 0},
+                   {"event": "end", "steps_run": 8, "world": 2, "restart": 0}], f"{log}\n{output}"
     got = torch.load(os.path.join(killed, "final.pt"))
     want = torch.load(os.path.join(plain, "final.pt"))
     assert got.keys() == want.keys()
