@@ -102,8 +102,9 @@ class GradientError(AutoparError, RuntimeError):
 
 
 class CheckpointError(AutoparError, RuntimeError):
-    """A training checkpoint is incomplete, damaged, made for another world size, mesh or
-    model, or could not be written; names the directory and what to do. Carries the path."""
+    """A training checkpoint is incomplete, damaged, made for another model or optimiser
+    (or, pipelined, another world), or could not be written; names the directory and what
+    to do. Carries the path."""
 
     def __init__(self, message: str, path: str = "") -> None:
         self.path = path
