@@ -47,14 +47,19 @@ def init_torchrun_group(timeout_s: float) -> None:
     numbered node-major: GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK). torchrun (2.4 and
     later) shares its agent's TCPStore with the workers and keeps it across restarts, so a
     restarted group would find the dead attempt's gloo addresses under the same keys
-    (pytorch/pytorch#135712); a prefix per attempt keeps each attempt's keys apart. The
-    restart count alone does not name an attempt: a group regrown because a node joined
-    (--nnodes MIN:MAX) keeps the count of the attempt before it, but not its world size."""
+    (pytorch/pytorch#135712); a prefix per attempt keeps each attempt's keys apart. It is
+    the restart count and the world size, which every rank of an attempt agrees on while
+    the agents have restarted alike (one node, or nodes that all failed together; a group
+    regrown by a joining node keeps the count but not the world size). Agents whose
+    counts can differ (a node that joined later starts at 0) need
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun: each attempt then gets a fresh
+    store, and no prefix is used."""
     timeout = timedelta(seconds=timeout_s)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-world{world}"
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-world{world}"
+        store = dist.PrefixStore(f"attempt{attempt}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def launch(run: Callable, args: Any, world: int, timeout_s: float = 600) -> None:

@@ -7,10 +7,14 @@ the whole group after a worker dies, with however many nodes are left).
 
 On a world that changes (--mesh auto: the planner picks the mesh of each attempt's world):
 
-    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \\
-        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job examples/train_elastic.py --run-dir /tmp/run --mesh auto
-    (the same on a second node, or a second shell: two agents, 4 ranks; stop one agent and
-    the survivors re-plan for 2 ranks and resume; start it again and the job grows back)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 \\
+        --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job examples/train_elastic.py \\
+        --run-dir /tmp/run --mesh auto
+    (the same on a second node, or in a second shell: two agents, 4 ranks. Kill one node's
+    agent and workers and the survivors re-plan for 2 ranks and resume; a later launch on
+    any number of ranks resumes from the newest checkpoint. torchrun can also take a
+    returning node into the running job, but on torch 2.13 with both agents on one host
+    that restart stalls in its rendezvous; tests/test_elastic.py grows back by a new launch)
 
 With --kill-rank/--kill-step, that rank SIGKILLs itself between forward and backward of
 that step, the first time only (a marker file in the run directory remembers it): the

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ import autopar
 from autopar.core.errors import CheckpointError, MeshError
 from autopar.runtime.checkpoint_files import MANIFEST, CheckpointManifest, verify_files
 from autopar.runtime.data import ElasticSampler
-from autopar.runtime.world_change import WorldChangedWarning
+from autopar.runtime.world_change import WorldChangedWarning, data_mismatch
 from autopar.tools.simulated import CHEAP_COMM
 from tests import models
 from tests.harness import ROOT, plain_env, run_ranks
@@ -106,6 +107,7 @@ def refusals(rank: int, world: int, root: str) -> dict:
                                {"input_ids": data[:BATCH], "labels": data[:BATCH]}, mesh=(2,), device=CHEAP_COMM)
     out = {}
     before = {k: v.clone() for k, v in same.state_tensors.items()}
+    rng = torch.get_rng_state().clone()
     for kind, model, sampler in (("model", pm, None), ("order", same, ElasticSampler(SAMPLES, BATCH, seed=4)),
                                  ("batch", same, ElasticSampler(SAMPLES, 2 * BATCH, seed=3))):
         try:
@@ -114,7 +116,8 @@ def refusals(rank: int, world: int, root: str) -> dict:
         except CheckpointError as e:
             out[kind] = str(e)
         out[f"{kind}_position"] = sampler.state_dict() if sampler is not None else None
-    out["untouched"] = all(torch.equal(v, same.state_tensors[k]) for k, v in before.items())
+    out["untouched"] = (all(torch.equal(v, same.state_tensors[k]) for k, v in before.items())
+                        and torch.equal(rng, torch.get_rng_state()))
     try:
         autopar.compile(models.build("llama").train(), mesh=lambda w: (w, 2))
         out["bad_mesh"] = None
@@ -209,6 +212,54 @@ def test_rescale_continues_the_epoch_at_the_same_sample():
     assert sorted(i for b in seen + rest for i in b) == list(range(24))
 
 
+def test_an_epoch_saved_at_its_end_resumes_at_the_next_one():
+    done = ElasticSampler(8, 4, seed=2)
+    epoch0 = list(done)
+    assert done.state_dict()["epoch"] == 1 and done.state_dict()["position"] == 0
+    resumed = ElasticSampler(8, 4, seed=2)
+    resumed.load_state_dict(done.state_dict())
+    epochs = []
+    for e in range(resumed.epoch, 3):  # the DistributedSampler loop
+        resumed.set_epoch(e)
+        epochs.append(list(resumed))
+    assert len(epochs) == 2  # epochs 1 and 2: the spent epoch 0 is not run again
+    whole = ElasticSampler(8, 4, seed=2)
+    assert [list(whole) for _ in range(3)] == [epoch0, *epochs]
+
+
+def test_set_epoch_keeps_a_restored_position_in_its_own_epoch():
+    first = ElasticSampler(12, 4, seed=0)
+    head = first.next_batch()
+    later = ElasticSampler(12, 4, seed=0)
+    later.load_state_dict(first.state_dict())
+    later.set_epoch(0)  # the loop's call for the epoch it is in: no restart
+    assert head not in list(later) and later.position == 12
+    later.set_epoch(3)
+    assert later.epoch == 3 and later.position == 0
+
+
+def test_a_data_position_without_mismatch_is_tried_on_a_copy():
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            if state["n"] < 0:
+                raise ValueError("negative")
+            self.n = state["n"]
+
+    def manifest(n):
+        return CheckpointManifest(step=1, world_size=2, mesh=(2,), model_digest="", layout_digest="", plan_digest="",
+                                  files=(), data={"n": n})
+    c = Counter()
+    assert data_mismatch(c, manifest(3), "ck") is None and c.n == 0  # checked on a copy: c unchanged
+    assert "refused the data position (ValueError: negative)" in data_mismatch(c, manifest(-1), "ck")
+    assert "holds no data position" in data_mismatch(c, replace(manifest(3), data=None), "ck")
+
+
 @pytest.mark.parametrize("state, words", [
     ({"position": 1}, "not an ElasticSampler's state"),
     ({**ElasticSampler(9, 3).state_dict(), "position": 99}, "out of range"),
@@ -237,9 +288,12 @@ ELASTIC_ARGS = ["--mesh", "auto", "--steps", "16", "--every", "2", "--step-sleep
 
 
 def _agent(run_dir: str, nproc: int, log, *launch: str) -> subprocess.Popen:
+    # a fresh store per attempt: agents that joined at different times count restarts apart
+    # (examples/_launch.py init_torchrun_group)
+    store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--monitor-interval",
            "0.2", *launch, EXAMPLE, "--run-dir", run_dir, *ELASTIC_ARGS]
-    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(OMP_NUM_THREADS="1", **store), stdout=log, stderr=subprocess.STDOUT)
 
 
 def _lines(run_dir: str, name: str) -> list[dict]:

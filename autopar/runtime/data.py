@@ -45,14 +45,18 @@ class ElasticSampler:
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.seed, self.shuffle, self.drop_last, self.rescale = seed, shuffle, drop_last, rescale
         self.epoch, self.position = 0, 0  # samples of this epoch already handed out
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its order), drawn once per epoch
 
     # ---- the order ------------------------------------------------------------------------
     def order(self, epoch: int) -> list[int]:
         """Epoch `epoch`'s sample order: a permutation seeded by (seed, epoch) alone."""
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g).tolist()
+        if self._order[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._order = (epoch, torch.randperm(self.num_samples, generator=g).tolist())
+            else:
+                self._order = (epoch, list(range(self.num_samples)))
+        return self._order[1]
 
     def batches_left(self) -> int:
         """Global batches of this epoch not yet handed out."""
@@ -76,17 +80,26 @@ class ElasticSampler:
             yield self.next_batch()
 
     def __len__(self) -> int:
+        """Global batches left in this epoch (0 once it is done; iterating then starts the next)."""
         return self.batches_left()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` from its first sample."""
+        """Start epoch `epoch` from its first sample; the epoch the sampler is in keeps its
+        position, so the usual `for e in range(sampler.epoch, E): sampler.set_epoch(e)`
+        loop continues a restored epoch where it stopped instead of repeating its start."""
         if type(epoch) is not int or epoch < 0:
             raise ValueError(f"ElasticSampler.set_epoch({epoch!r}): an int >= 0")
-        self.epoch, self.position = epoch, 0
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
 
     # ---- the state a checkpoint records ----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _KEYS}
+        """The position; an epoch fully handed out is recorded as the next one's start, so a
+        resumed `for e in range(sampler.epoch, E)` loop does not run a spent epoch again."""
+        state = {k: getattr(self, k) for k in _KEYS}
+        if self.batches_left() == 0:
+            state.update(epoch=self.epoch + 1, position=0)
+        return state
 
     def load_state_dict(self, state: Any) -> None:
         """Continue where `state` left off (checked whole before anything is set)."""

@@ -211,8 +211,9 @@ def _prune(root: str, keep: Optional[int], keep_path: str) -> None:
 # ---- load -------------------------------------------------------------------------------
 def load_training_checkpoint(pm: Any, optimizer: Any, path: "str | os.PathLike", *,
                              data: Optional[DataPosition] = None) -> CheckpointManifest:
-    """Restore model shards, optimiser state (optimizer=None skips it), the RNGs and the
-    data position (`data`, where one was saved) from a complete checkpoint; every rank
+    """Restore model shards, optimiser state (optimizer=None skips it), the RNGs and, with
+    `data`, the data position (a checkpoint saved without one is then refused: continuing
+    an epoch from its start would repeat samples) from a complete checkpoint; every rank
     calls it with the same path. Returns its manifest (manifest.step is where to
     continue). A checkpoint that is incomplete, damaged or made for another model or
     optimiser raises CheckpointError on every rank, before anything is changed: dcp.load
@@ -253,10 +254,10 @@ def load_training_checkpoint(pm: Any, optimizer: Any, path: "str | os.PathLike",
         raise CheckpointError(f"reading checkpoint {path} failed ({_reason(e)}); it is damaged or was "
                               "not written by save_training_checkpoint: resume from an earlier one", path) from e
     view.restore(optimizer, targets, rng_source(rank, manifest), path)
-    if data is not None and manifest.data is not None:
+    if data is not None:  # its state was checked before anything was loaded
         data.load_state_dict(manifest.data)
     if manifest.world_size != world or tuple(manifest.mesh) != tuple(view.mesh.shape):
-        warn_world_changed(manifest, world, tuple(view.mesh.shape), path)
+        warn_world_changed(manifest, world, tuple(view.mesh.shape), path, data is not None)
     else:
         _warn_if_replanned(view, manifest, path)
     return manifest

@@ -169,4 +169,5 @@ def _set_rng_states(states: tuple) -> None:
     torch.set_rng_state(cpu)
     random.setstate(python)
     if cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+        for device, state in enumerate(cuda[:torch.cuda.device_count()]):  # a rank may now see fewer devices
+            torch.cuda.set_rng_state(state, device)
