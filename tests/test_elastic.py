@@ -24,6 +24,7 @@ that a lost optimiser moment (a 1e-3 effect) or a skipped batch (a 1e-2 one) fai
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -334,8 +335,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _one_device_weights() -> dict:
     """The example's 16 steps on the plain model in this process: the reference."""
-    sys.path.insert(0, os.path.dirname(EXAMPLE))
-    import train_elastic as ex
+    spec = importlib.util.spec_from_file_location("train_elastic", EXAMPLE)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)  # the example puts its own folder on sys.path for _launch
     args = ex.parser().parse_args(["--run-dir", "unused", *ELASTIC_ARGS])
     data, model = ex.dataset(args), ex.build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-6)
