@@ -294,7 +294,8 @@ def _agent(run_dir: str, nproc: int, log, *launch: str) -> subprocess.Popen:
     store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--monitor-interval",
            "0.2", *launch, EXAMPLE, "--run-dir", run_dir, *ELASTIC_ARGS]
-    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(OMP_NUM_THREADS="1", **store), stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(OMP_NUM_THREADS="1", **store), stdout=log,
+                            stderr=subprocess.STDOUT)
 
 
 def _lines(run_dir: str, name: str) -> list[dict]:

@@ -127,5 +127,5 @@ class ElasticSampler:
         return None
 
     def __repr__(self) -> str:
-        return (f"ElasticSampler({self.num_samples} samples, global batch {self.global_batch_size}, epoch {self.epoch}, "
-                f"position {self.position})")
+        return (f"ElasticSampler({self.num_samples} samples, global batch {self.global_batch_size}, "
+                f"epoch {self.epoch}, position {self.position})")

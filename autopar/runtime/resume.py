@@ -107,7 +107,8 @@ def save_training_checkpoint(pm: Any, optimizer: Any, root: "str | os.PathLike",
         files = sorted(f for part in facts for f in part)
         groups = view.recorded_groups(optimizer) if optimizer is not None else None
         stale = _on_rank0(f"completing checkpoint {final}", temp,  # 4.
-                          lambda: _complete(temp, final, _manifest(view, step, world, files, extra or {}, groups, position)))
+                          lambda: _complete(temp, final,
+                                            _manifest(view, step, world, files, extra or {}, groups, position)))
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
