@@ -66,15 +66,16 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
     costs = cost_model or _analytic_for(plan, device, training)
     if costs.mesh_shape != plan.mesh.shape:
         raise ValueError(f"cost model is for mesh {costs.mesh_shape} but the plan is for {plan.mesh.shape}")
-    compute_s, memory = 0.0, 0
+    compute_s, op_comm_s, memory = 0.0, 0.0, 0
     for n in plan.nodes:
         target = None
         if n.kind.computes:
             target = op_target(n.op, n.name)
-            compute_s += costs.op_cost(target, n.inputs, n.outputs).compute_s
+            cost = costs.op_cost(target, n.inputs, n.outputs)
+            compute_s, op_comm_s = compute_s + cost.compute_s, op_comm_s + cost.comm_s
         memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes,
                              n.saved)
-    comm_s = sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
+    comm_s = op_comm_s + sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
     again = recompute_terms(plan.nodes, plan.edges, plan.recompute, costs)
     hidden = plan_hidden_s(plan.nodes, plan.edges, costs, least_backward_s(plan.nodes, costs)) if costs.training \
         else 0.0

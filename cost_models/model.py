@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 from autopar.core.kinds import StepKind
 from autopar.core.placement import Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step
+from autopar.core.routed import ROUTED_EXPERTS
 from autopar.cost_models import comm, compute
 from autopar.cost_models.devices import DeviceSpec, Link, preset
 
@@ -71,6 +72,8 @@ class CostModel:
 
     # ---- compute -------------------------------------------------------------
     def op_cost(self, target: Any, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> Cost:
+        if target is ROUTED_EXPERTS:
+            return self.routed_experts_cost(inputs, outputs)
         li = tuple(self.local(s) for s in inputs)
         lo = tuple(self.local(s) for s in outputs)
         fwd = None
@@ -84,6 +87,37 @@ class CostModel:
             if bwd is None:
                 bwd = fwd * compute.backward_factor(target, lo)
         return Cost(compute_s=(fwd + bwd) * self.compute_scale)
+
+    def routed_experts_cost(self, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> Cost:
+        """routed_experts (autopar/core/routed.py, inputs: ids, row sources, experts) with
+        balanced routing: a rank computes S / ways rows, `ways` the product of the axes
+        that split the ids or the experts (an axis that splits both counts once: its rank
+        receives every source's rows of its experts), each row through every expert
+        weight [E, a, b] as a matmul (2ab FLOPs). Where ids and experts are split on one
+        axis, the rows travel there and back: two all-to-alls of the rows' bytes forward,
+        two backward, and one of the ids and one of the counts."""
+        ids, out, count = inputs[0], outputs[0], _trailing_experts(inputs)
+        sources, experts = inputs[1:len(inputs) - count], inputs[len(inputs) - count:]
+        routed = set(ids.shard_axes(0)) | set(inputs[-1].shard_axes(0))
+        rows = ids.meta.shape[0] / prod(self.mesh_shape[a] for a in routed)
+        width = prod(out.meta.shape[1:])
+        flops = sum(2.0 * rows * s.meta.shape[1] * s.meta.shape[2] for s in experts if len(s.meta.shape) == 3)
+        dtype = out.meta.dtype
+        moved = sum(prod(self.local(s).shape) * s.meta.dtype.itemsize for s in inputs[1:]) + \
+            rows * width * dtype.itemsize
+        fwd = max(flops / self.device.flops_per_s(dtype), moved / self.device.mem_bw_bytes_per_s) + \
+            self.device.op_overhead_s
+        compute_s = fwd * (3.0 if self.training else 1.0) * self.compute_scale
+        comm_s = 0.0
+        for axis in set(ids.shard_axes(0)) & set(inputs[-1].shard_axes(0)):
+            n, link = self.mesh_shape[axis], self.link(axis)
+            local_rows = prod(self.local(ids).shape)
+            row_bytes = sum(local_rows * prod(s.meta.shape[1:]) * s.meta.dtype.itemsize for s in sources)
+            out_bytes = local_rows * width * dtype.itemsize
+            there_and_back = comm.all_to_all_s(row_bytes, n, link) + comm.all_to_all_s(out_bytes, n, link)
+            comm_s += there_and_back * (2.0 if self.training else 1.0) + comm.all_to_all_s(local_rows * 8, n, link) \
+                + comm.all_to_all_s(8 * n, n, link) + 4 * self.collective_sync_s
+        return Cost(compute_s=compute_s, comm_s=comm_s)
 
     # ---- communication -------------------------------------------------------
     def _collective_s(self, kind: str, step: Step, local: int) -> float:
@@ -144,3 +178,16 @@ class CostModel:
         for s in steps:
             total = total + self.step_cost(s)
         return total
+
+
+def _trailing_experts(inputs: tuple[Spec, ...]) -> int:
+    """How many of routed_experts' last inputs are experts: those of the last one's
+    expert count E (dim 0) and two or more dims (the row sources before them are
+    the routing weights [S] and the tokens [T, H])."""
+    e, count = inputs[-1].meta.shape[0], 0
+    for s in reversed(inputs[1:]):
+        if len(s.meta.shape) < 2 or s.meta.shape[0] != e:
+            break
+        count += 1
+    return count
+

@@ -74,6 +74,8 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
             "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements(),
             "shared_blocks": plan.solver.shared_blocks,
             "attention": [str(n.outputs[0]) for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"],
+            "experts": [str(n.inputs[-1]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
+            "routed_rows": [str(n.inputs[0]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
             "mesh": plan.mesh.shape, "mesh_candidates": [c.shape for c in plan.mesh_candidates]}
 
 

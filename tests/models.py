@@ -39,7 +39,17 @@ def hf_config(family: str, **over):
                          vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                          attention_probs_dropout_prob=0.0, pad_token_id=0)
         return T.BertForMaskedLM, c
+    if family in MOE:  # mixtures of 8 experts, top-2 (DeepSeek-V3: one shared expert, a dense first layer)
+        from autopar.tools.sweep_configs import tiny_config
+        c = tiny_config(family)
+        experts = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts"}
+        for k, v in {experts[family]: 8, "num_experts_per_tok": 2, "use_cache": False}.items():
+            setattr(c, k, v)
+        return getattr(T, MOE[family]), c
     raise ValueError(family)
+
+
+MOE = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def build(name: str, seed: int = 0, **over) -> nn.Module:

@@ -39,6 +39,12 @@ CONTEXT_PARALLEL_4 = [dict(model="causal", mesh=(4,), style="cp", seq=10),
                       dict(model="causal", mesh=(4,), style="fsdp_cp", seq=8)]
 CONTEXT_PARALLEL_8 = [dict(model="causal", mesh=(2, 4), style="dp_cp", seq=10),
                       dict(model="llama", mesh=(2, 4), style="tp_cp", seq=8)]
+# expert parallelism (hand style ep, passes/plan/hand_plans.py): 8 routed experts, top-2,
+# split over the last axis, each rank's tokens sent to their experts' ranks by
+# all-to-all with uneven counts (autopar/runtime/experts.py); the (2, 4) cases are data
+# parallel on axis 0 too. DeepSeek-V3 has a dense first layer and a shared expert
+EXPERT_PARALLEL_4 = [dict(model=m, mesh=(4,), style="ep", batch=4) for m in ("mixtral", "qwen3_moe", "deepseek_v3")]
+EXPERT_PARALLEL_8 = [dict(model=m, mesh=(2, 4), style="ep", batch=4) for m in ("mixtral", "qwen3_moe", "deepseek_v3")]
 # the attention layout each style pins
 CONTEXT_LAYOUTS = {"cp": "S(2)", "fsdp_cp": "S(2)", "dp_cp": "S(0)S(2)", "tp_cp": "S(2)S(1)"}
 
@@ -55,6 +61,7 @@ def four_ranks():
     batch += [(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
     batch += [(cases.gradient_equivalence, kw) for kw in CONTEXT_PARALLEL_4]
     batch += [(cases.gradient_equivalence, dict(model="llama", mesh="auto", batch=4))]
+    batch += [(cases.gradient_equivalence, kw) for kw in EXPERT_PARALLEL_4]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -64,6 +71,7 @@ def eight_ranks():
     batch = [(cases.forward_equivalence, dict(model=m, mesh=(2, 4))) for m in MODELS]
     batch += [(cases.gradient_equivalence, dict(model=m, mesh=(2, 4))) for m in MODELS]
     batch += [(cases.gradient_equivalence, kw) for kw in CONTEXT_PARALLEL_8]
+    batch += [(cases.gradient_equivalence, kw) for kw in EXPERT_PARALLEL_8]
     results = run_ranks(8, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -150,6 +158,19 @@ def test_context_parallel_matches(four_ranks, eight_ranks, kw):
     assert per_rank[0]["attention"] and all(a == CONTEXT_LAYOUTS[kw["style"]] for a in per_rank[0]["attention"]), \
         per_rank[0]["attention"]
     _check_gradients(per_rank)
+
+
+@pytest.mark.parametrize("kw", EXPERT_PARALLEL_4 + EXPERT_PARALLEL_8,
+                         ids=lambda kw: f"{kw['model']}-{'x'.join(map(str, kw['mesh']))}")
+def test_expert_parallel_matches(four_ranks, eight_ranks, kw):
+    per_rank = (four_ranks if len(kw["mesh"]) == 1 else eight_ranks)[_key(cases.gradient_equivalence, kw)]
+    split = "S(0)" if len(kw["mesh"]) == 1 else "RS(0)"
+    assert per_rank[0]["experts"] and all(e == split for e in per_rank[0]["experts"]), per_rank[0]["experts"]
+    assert all(r == "S(0)" * len(kw["mesh"]) for r in per_rank[0]["routed_rows"]), per_rank[0]["routed_rows"]
+    _check_gradients(per_rank)
+    # every rank held only its experts' weights and their gradients were its own
+    expert_grads = [name for name in per_rank[0]["grads"] if ".experts." in name]
+    assert expert_grads and all(per_rank[0]["grads"][n][2] == split for n in expert_grads)
 
 
 def test_the_mesh_rank_0_chose_trains_like_one_device(four_ranks):

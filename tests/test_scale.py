@@ -12,7 +12,7 @@ import pytest
 
 import autopar
 from autopar.cost_models.evaluate import evaluate
-from autopar.passes.plan.hand_plans import STYLES, hand_plan
+from autopar.passes.plan.hand_plans import DENSE_STYLES, hand_plan
 from autopar.tools.zoo import build
 
 
@@ -93,7 +93,7 @@ def test_evaluate_prices_every_plan_as_the_solver_does():
     mine = evaluate(auto)
     assert mine.total_s == pytest.approx(auto.total_s, rel=1e-12)
     assert mine.memory_bytes == auto.memory_bytes
-    for style in STYLES:
+    for style in DENSE_STYLES:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hand = hand_plan(model, args, kwargs, mesh=mesh, style=style)

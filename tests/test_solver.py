@@ -16,7 +16,7 @@ from autopar.core.kinds import NodeKind
 from autopar.cost_models import comm, compute
 from autopar.cost_models.devices import preset
 from autopar.core.placement import TensorMeta
-from autopar.passes.plan.hand_plans import STYLES
+from autopar.passes.plan.hand_plans import DENSE_STYLES
 from tests import models
 from tests.models import MLP
 
@@ -134,7 +134,7 @@ def test_solver_never_costs_more_than_hand_plans(name, mesh):
     device = _cheap_comm()
     auto = _plan(model, args, kwargs, mesh=mesh, device=device)
     # on (1, 4) the other context-parallel styles are cp or megatron again; (2, 2) has them all
-    styles = STYLES if mesh == (2, 2) else ("megatron", "data_parallel", "dp_tp", "fsdp", "cp")
+    styles = DENSE_STYLES if mesh == (2, 2) else ("megatron", "data_parallel", "dp_tp", "fsdp", "cp")
     for style in styles:  # context-parallel styles pin attention, autopar leaves it free
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -257,7 +257,7 @@ def test_no_plan_of_the_search_space_costs_less_than_the_proven_bound(solver):
     plan = _plan(model, args, kwargs, mesh=(2, 2), device="h100", solver=solver)
     bound = plan.solver.bound_s
     assert bound is not None and bound <= plan.solver.objective_s * (1 + 1e-9), plan.solver
-    for style in STYLES:
+    for style in DENSE_STYLES:
         hand = autopar.hand_plan(model, args, kwargs, mesh=(2, 2), style=style, device="h100")
         assert autopar.evaluate(hand, device="h100").total_s >= bound * (1 - 1e-9), style
 

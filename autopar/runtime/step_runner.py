@@ -21,6 +21,7 @@ from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
 from autopar.core.resharding import Step
 from autopar.runtime.collectives import AxisComm, Move, finish, launch, move
+from autopar.runtime.experts import expert_parallel, expert_parallel_standing_in
 
 # ---- a step's two directions -------------------------------------------------------------
 
@@ -173,6 +174,21 @@ class ProcessGroupRunner:
         tensor, started.tensor = started.tensor, None
         with _naming(step, comm, where):
             return _Wait.apply(tensor, step, comm, started, self.reduce_dtype)
+
+
+    def experts(self, axis: int, ids: torch.Tensor, rows: list, experts: list, row_group: list,
+                num_experts: int, body: str, where: str) -> torch.Tensor:
+        comm = self.comms[axis]
+        if comm.stand_in:
+            return expert_parallel_standing_in(comm, ids, rows, experts, row_group, body)
+        try:
+            return expert_parallel(comm, ids, rows, experts, row_group, body)
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError(
+                f"expert parallelism at node {where} failed on mesh coordinate {comm.coord} of axis {axis}: {e}. A "
+                "peer rank probably failed or stopped first: look at its log") from e
 
 
 class _naming:

@@ -34,6 +34,9 @@ class StepRunner(Protocol):
 
     def wait(self, step: Step, started: Any, where: str) -> torch.Tensor: ...
 
+    def experts(self, axis: int, ids: torch.Tensor, rows: list, experts: list, row_group: list,
+                num_experts: int, body: str, where: str) -> torch.Tensor: ...
+
 
 class StepModule(nn.Module):
     """One reshard step in an emitted program: `ap_all_gather_3 = self.ap_all_gather_3(x)`."""
@@ -67,9 +70,29 @@ class WaitModule(nn.Module):
         return f"wait for {self.step}, edge={self.where}"
 
 
-def _runner(m: "StepModule | WaitModule") -> StepRunner:
+class ExpertsModule(nn.Module):
+    """Routed experts split over mesh axis `axis` with their rows (expert parallelism,
+    autopar/core/routed.py): `routed_experts = self.ap_experts_0(ids, [x, w], [w1, w2], [2, 1], 8, body)`
+    sends each row to the rank of the axis that holds its expert and takes the result back."""
+
+    def __init__(self, axis: int, where: str) -> None:
+        super().__init__()
+        self.axis = axis
+        self.where = where  # the node, for error messages
+        self.runner: Optional[StepRunner] = None
+
+    def forward(self, ids: torch.Tensor, rows: list, experts: list, row_group: list, num_experts: int,
+                body: str) -> torch.Tensor:
+        return _runner(self).experts(self.axis, ids, rows, experts, row_group, num_experts, body, self.where)
+
+    def extra_repr(self) -> str:
+        return f"experts split over axis {self.axis}, node={self.where}"
+
+
+def _runner(m: "StepModule | WaitModule | ExpertsModule") -> StepRunner:
     if m.runner is None:
-        raise ProcessGroupError(f"{m.step} on the edge {m.where} has no process group: this program was "
+        what = f"{m.step} on the edge" if hasattr(m, "step") else "expert parallelism at node"
+        raise ProcessGroupError(f"{what} {m.where} has no process group: this program was "
                                 "emitted for reading, not running; run a model through autopar.compile")
     return m.runner
 
@@ -77,6 +100,6 @@ def _runner(m: "StepModule | WaitModule") -> StepRunner:
 def bind(gm: fx.GraphModule, runner: StepRunner) -> fx.GraphModule:
     """Give every reshard step of `gm` the runner that executes it; returns gm."""
     for m in gm.modules():
-        if isinstance(m, (StepModule, WaitModule)):
+        if isinstance(m, (StepModule, WaitModule, ExpertsModule)):
             m.runner = runner
     return gm

@@ -8,7 +8,9 @@
 2. Before each planned node, every tensor input goes through the Plan's steps for that
    edge (one StepModule per step, named ap_<kind>_<n>, shared by consumers that need the
    same result; a communicating step is a start and a wait, ap_<kind>_<n>_wait).
-3. The node is copied with shape arguments made local (view/reshape/expand sizes). In a
+3. The node is copied with shape arguments made local (view/reshape/expand sizes), or
+   becomes the op's local form (passes/rules/local.py); routed experts split with their
+   rows become a module, ap_experts_<node>, that exchanges rows over the axis. In a
    graph with symbolic sizes (passes/trace/dynamic.py) a sym_size read of a dim split k ways
    is multiplied by k (sizes stay global, as the replicated factories need them) and a
    symbolic view/reshape/expand size of a dim split k ways is divided by k:
@@ -35,7 +37,8 @@ from autopar.core.resharding import Step, with_units
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan
 from autopar.passes.trace.dynamic import is_symbolic
-from autopar.passes.lower.program import StepModule, WaitModule
+from autopar.core.routed import ExpertParallel
+from autopar.passes.lower.program import ExpertsModule, StepModule, WaitModule
 from autopar.passes.rules.local import LOCAL_TARGET, SIZE_ARG_OPS, localize_call
 from autopar.passes.strategies.strategies import OUTPUT
 from autopar.passes.trace.trace import TracedGraph
@@ -82,8 +85,13 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
                                                      choice[node.name].outputs, mesh_shape, coords, sizes_done)
             if device is not None and isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": device}
-            target = LOCAL_TARGET.get(target, target)
-            new = graph.create_node("call_function", target, tuple(args), dict(kwargs), name=node.name)
+            if isinstance(target, ExpertParallel):  # rows exchanged over the axis: a module the runtime binds
+                root.add_module(f"ap_experts_{node.name}", ExpertsModule(target.axis, node.name))
+                new = graph.create_node("call_module", f"ap_experts_{node.name}", tuple(args), dict(kwargs),
+                                        name=node.name)
+            else:
+                new = graph.create_node("call_function", LOCAL_TARGET.get(target, target), tuple(args),
+                                        dict(kwargs), name=node.name)
             _copy_meta(node, new, choice)
             env[node.name] = new
         else:

@@ -17,7 +17,8 @@ import torch
 from torch import fx
 
 from autopar.passes.lower.emit import buffer_blocks, emit, local_inputs
-from autopar.passes.lower.program import StepModule, WaitModule
+from autopar.core.routed import run_sorted
+from autopar.passes.lower.program import ExpertsModule, StepModule, WaitModule
 from autopar.passes.lower.recompute import Recomputed, checkpoint
 from autopar.core.mesh import Mesh
 from autopar.core.placement import split_blocks
@@ -102,6 +103,13 @@ def run_lockstep(programs: list[fx.GraphModule], mesh: Mesh, inputs: list[list[t
     for i, node in enumerate(node_lists[0]):
         if node.op == "placeholder":
             continue
+        if node.op == "call_module" and isinstance(programs[0].get_submodule(node.target), ExpertsModule):
+            calls = [fx.node.map_arg((node_lists[r][i].args, node_lists[r][i].kwargs), lambda a: envs[r][a.name])
+                     for r in range(len(programs))]
+            ys = _experts(programs[0].get_submodule(node.target).axis, mesh, [args for args, _ in calls])
+            for r in range(len(programs)):
+                envs[r][node_lists[r][i].name] = ys[r]
+            continue
         if node.op == "call_module":
             mod = programs[0].get_submodule(node.target)
             xs = [envs[r][node_lists[r][i].args[0].name] for r in range(len(programs))]
@@ -125,6 +133,21 @@ def run_lockstep(programs: list[fx.GraphModule], mesh: Mesh, inputs: list[list[t
             else:
                 envs[r][n.name] = n.target(*args, **kwargs)
     return outputs
+
+
+def _experts(axis: int, mesh: Mesh, calls: list[tuple]) -> list[torch.Tensor]:
+    """Routed experts split with their rows over `axis`, for all ranks at once: each
+    group's rows and experts put together, computed, and each rank's rows handed back."""
+    out: list[Any] = [None] * len(calls)
+    for group in _groups(mesh, axis):
+        ids, rows, experts, row_group, num_experts, body = calls[group[0]]
+        ids = torch.cat([calls[r][0] for r in group])
+        rows = [torch.cat([calls[r][1][j] for r in group]) for j in range(len(rows))]
+        experts = [torch.cat([calls[r][2][j] for r in group]) for j in range(len(experts))]
+        y = run_sorted(ids, rows, experts, row_group, num_experts, body)
+        for r, block in zip(group, y.split([calls[r][0].shape[0] for r in group])):
+            out[r] = block
+    return out
 
 
 def _recomputed(bodies: list[fx.GraphModule], mesh: Mesh, args: list[list[Any]]) -> list[Any]:

@@ -26,6 +26,13 @@ lays out the rest.
     fsdp_cp        parameters as fsdp; sequence over the whole mesh
     tp_cp          Megatron on the last axis (attention split by heads there), sequence
                    over the others
+
+Expert parallelism (torchtitan's, DeepSpeed's): the routed experts' weights (parameters
+of three dims under an `experts` module) split by expert over the last axis, every
+routed_experts node (autopar/core/routed.py) split by rows, so each row travels to its
+expert's rank and back; everything else data parallel.
+
+    ep             experts over the last axis; inputs by batch over every axis
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ from torch import nn
 from autopar.core.errors import HandPlanError
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, canonical
+from autopar.core.routed import ROUTED_EXPERTS
 from autopar.passes.plan.planning import options_with, plan_traced, trace_for_planning
-from autopar.passes.strategies.strategies import OpOutput
+from autopar.passes.strategies.strategies import OpInput, OpOutput
 
 aten = torch.ops.aten
 
@@ -56,6 +64,7 @@ class HandLayout:
     batch_axes: tuple[int, ...]  # mesh axes the inputs' dim 0 is split over
     seq_axes: tuple[int, ...] = ()  # mesh axes the inputs' dim 1 and attention's query rows are split over
     head_axes: tuple[int, ...] = ()  # mesh axes attention is split by heads over (tensor parallel)
+    expert_axes: tuple[int, ...] = ()  # mesh axes the routed experts are split over (expert parallelism)
 
 
 def _kind(module: nn.Module) -> Optional[str]:
@@ -149,9 +158,26 @@ def tp_cp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
                       head_axes=(ndim - 1,))
 
 
+EXPERT_WEIGHT = re.compile(r"(^|\.)experts\.[^.]+$")
+
+
+def ep(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
+    last = len(mesh_shape) - 1
+    params = _replicated(model, mesh_shape)
+    experts = [n for n, p in model.named_parameters(remove_duplicate=False) if p.ndim == 3 and EXPERT_WEIGHT.search(n)]
+    if not experts:
+        raise HandPlanError("hand-plan style 'ep' splits routed experts (three-dim parameters of an `experts` "
+                            f"module), and model {type(model).__name__} has none; use data_parallel or fsdp")
+    for n in experts:
+        params[n] = _on((last,), Shard(0), mesh_shape)
+    return HandLayout(params, _all_axes(mesh_shape), expert_axes=(last,))
+
+
 STYLES: dict[str, Callable[[nn.Module, tuple[int, ...]], HandLayout]] = {
     "data_parallel": data_parallel, "megatron": megatron, "dp_tp": dp_tp, "fsdp": fsdp,
-    "cp": cp, "dp_cp": dp_cp, "fsdp_cp": fsdp_cp, "tp_cp": tp_cp}
+    "cp": cp, "dp_cp": dp_cp, "fsdp_cp": fsdp_cp, "tp_cp": tp_cp, "ep": ep}
+EXPERT_STYLES = ("ep",)  # styles of models with routed experts (a HandPlanError on others)
+DENSE_STYLES = tuple(s for s in STYLES if s not in EXPERT_STYLES)
 
 
 def _split(meta: TensorMeta, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
@@ -233,6 +259,26 @@ def attention_pins(traced, mesh_shape: tuple[int, ...], layout: HandLayout, batc
     return pins
 
 
+def expert_pins(traced, mesh_shape: tuple[int, ...], layout: HandLayout) -> dict:
+    """Every routed_experts node reads its experts split over the expert axes and splits
+    its output by rows there and over the batch axes (so rows travel to their experts),
+    where the rows divide."""
+    pins: dict = {}
+    for node in traced.gm.graph.nodes:
+        if node.target is ROUTED_EXPERTS:
+            meta = TensorMeta.of(node.meta["val"])
+            axes = tuple(sorted(set(layout.batch_axes) | set(layout.expert_axes)))
+            pins[OpOutput(node.name)] = _split(meta, _layout({0: axes}, meta.ndim, mesh_shape), mesh_shape)
+            experts = node.args[2]
+            for k, w in enumerate(experts):
+                wmeta = TensorMeta.of(w.meta["val"])
+                position = 1 + len(node.args[1]) + k  # tensor inputs: ids, row sources, experts
+                pins[OpInput(node.name, position)] = tuple(
+                    p if p != R else None for p in _split(wmeta, _layout({0: layout.expert_axes}, wmeta.ndim,
+                                                                         mesh_shape), mesh_shape))
+    return pins
+
+
 def _check_sequence_axes(layout: HandLayout, mesh_shape: tuple[int, ...], style: str) -> None:
     if layout.seq_axes and prod(mesh_shape[a] for a in layout.seq_axes) == 1:
         raise HandPlanError(f"hand-plan style {style!r} splits the sequence over mesh axes {layout.seq_axes}, of size 1 "
@@ -247,7 +293,8 @@ def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str)
         raise HandPlanError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
     layout = STYLES[style](model, mesh_shape)
     if not layout.seq_axes:
-        return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes)}
+        return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes),
+                **(expert_pins(traced, mesh_shape, layout) if layout.expert_axes else {})}
     _check_sequence_axes(layout, mesh_shape, style)
     inputs = input_pins(traced, mesh_shape, layout.batch_axes, layout.seq_axes, style)
     batch_split = any(Shard(0) in p for p in inputs.values())

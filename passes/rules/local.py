@@ -18,6 +18,10 @@ do not:
                          0). The start is worked out when the block runs, from the keys'
                          length, so a plan of symbolic sequence length starts each block
                          where that call's chunks do
+    routed_experts       with experts split on an axis (autopar/core/routed.py): rows whole
+                         there, masked_rows (this rank's experts' rows, from the block's
+                         first expert); rows split there too, ExpertParallel(axis), which
+                         the rewrite makes a module that exchanges rows over the axis
 
 The rewrite (passes/lower/rewrite.py), the block-by-block runner (passes/rules/blockwise.py), rule discovery and
 the runtime's measurements all run ops through localize_call, so a rank, the simulator
@@ -31,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from autopar.core.placement import block_index, chunk_of, largest_block
+from autopar.core.routed import ROUTED_EXPERTS, ExpertParallel, masked_rows
 
 aten = torch.ops.aten
 
@@ -73,6 +78,12 @@ def localize_call(target: Any, args: tuple, kwargs: dict, inputs: tuple, outputs
             and sdpa_is_causal(args, kwargs):
         chunk = chunk_of(inputs[0], 2, mesh_shape, _needed(coords, "causal attention split along the sequence"))
         return causal_rows_attention, chunk + tuple(args), kwargs
+    if target is ROUTED_EXPERTS and inputs and inputs[-1].shard_axes(0):
+        axis = inputs[-1].shard_axes(0)[0]
+        if axis in inputs[0].shard_axes(0):
+            return ExpertParallel(axis), args, kwargs
+        start = block_index(inputs[-1], mesh_shape, _needed(coords, "experts split with rows whole"))[0].start
+        return masked_rows, (start,) + tuple(args), kwargs
     return target, args, kwargs
 
 

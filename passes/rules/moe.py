@@ -1,5 +1,15 @@
-"""Mixture-of-experts routing: the expert-indexed (grouped) matmul and the index_put that
-undoes the sort by expert.
+"""Mixture-of-experts routing: the routed experts op, the expert-indexed (grouped) matmul
+and the index_put that undoes the sort by expert.
+
+    routed       routed_experts(ids[S], rows, experts[E, ...]) (autopar/core/routed.py):
+    experts      each routed row is computed alone by its expert, so on one axis
+                 rows     ids and rows split, experts whole      -> rows split
+                 experts  ids and rows split, experts split      -> rows split (each row
+                          sent to its expert's rank and back: expert parallelism)
+                 masked   ids and rows whole, experts split      -> partial sum (each rank
+                          its experts' rows, zeros elsewhere)
+                 Experts are split on at most one axis (the all-to-all and the mask
+                 serve one axis's group).
 
     grouped mm   out[M, N] = x[M, K] @ w[e(m), K, N], rows grouped by expert through
                  cumulative offsets. Rows cannot be split (the offsets are global) and
@@ -15,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from autopar.core.placement import P, R, Shard
-from autopar.passes.rules.registry import AxisRule, OpCall, register, register_name
+from autopar.core.routed import ROUTED_EXPERTS
+from autopar.passes.rules.registry import AxisRule, OpCall, Strategy, register, register_check, register_name
 
 aten = torch.ops.aten
 
@@ -52,3 +63,19 @@ def index_put(call: OpCall) -> list[AxisRule]:
             continue
         rules.append(AxisRule((Shard(d),) + (R,) * n_idx + (Shard(k),), (Shard(d),)))
     return rules
+
+
+@register(ROUTED_EXPERTS)
+def routed_experts(call: OpCall) -> list[AxisRule]:
+    rows = (R,) * len(call.arg(1, "rows"))
+    experts = len(call.arg(2, "experts"))
+    split_rows = (Shard(0),) * (1 + len(rows))
+    return [AxisRule((R,) + rows + (R,) * experts, (R,)),
+            AxisRule(split_rows + (R,) * experts, (Shard(0),)),
+            AxisRule(split_rows + (Shard(0),) * experts, (Shard(0),)),
+            AxisRule((R,) + rows + (Shard(0),) * experts, (P,))]
+
+
+@register_check(ROUTED_EXPERTS)
+def experts_split_once(strategy: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+    return len(strategy.inputs[-1].shard_axes(0)) <= 1

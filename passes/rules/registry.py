@@ -76,7 +76,10 @@ class Strategy:
 
 
 RuleFn = Callable[[OpCall], list[AxisRule]]
+# whether a combination of per-axis rules is one the op's local form can run (most ops: all)
+CheckFn = Callable[["Strategy", tuple[int, ...]], bool]
 _RULES: dict[Any, RuleFn] = {}
+_CHECKS: dict[Any, CheckFn] = {}
 _RULES_BY_NAME: dict[str, RuleFn] = {}  # ops of libraries that register them at import (transformers::...)
 
 
@@ -94,6 +97,16 @@ def register_name(*names: str) -> Callable[[RuleFn], RuleFn]:
     def deco(fn: RuleFn) -> RuleFn:
         for n in names:
             _RULES_BY_NAME[n] = fn
+        return fn
+    return deco
+
+
+def register_check(*targets: Any) -> Callable[[CheckFn], CheckFn]:
+    """A test each expanded strategy of these ops must pass (an op whose local form serves
+    some per-axis rules on one axis at a time, not on several at once)."""
+    def deco(fn: CheckFn) -> CheckFn:
+        for t in targets:
+            _CHECKS[t] = fn
         return fn
     return deco
 
@@ -121,13 +134,15 @@ def expand(rules: Iterable[AxisRule], call: OpCall, mesh_shape: tuple[int, ...],
     per_axis = [(rules + unit_variants(rules, call, n, units or {}) if uneven else rules) if n > 1 else replicated
                 for n in mesh_shape]
     out: dict[Strategy, None] = {}
+    check = _CHECKS.get(call.target)
     for combo in product(*per_axis):
         ins = tuple(_spec(tuple(r.inputs[i] for r in combo), m, mesh_shape) for i, m in enumerate(call.inputs))
         outs = tuple(_spec(tuple(r.outputs[i] for r in combo), m, mesh_shape) for i, m in enumerate(call.outputs))
         if all(s.fits(mesh_shape) for s in ins + outs) or (
                 uneven and all(s.fits(mesh_shape, uneven=True) for s in ins + outs)
                 and uneven_exact(ins + outs, mesh_shape)):
-            out[Strategy(ins, outs)] = None
+            if check is None or check(Strategy(ins, outs), mesh_shape):
+                out[Strategy(ins, outs)] = None
     return list(out)
 
 

@@ -65,7 +65,8 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
         if n.call is None:
             out[n.name] = [0.0] * len(n.strategies)
         else:
-            out[n.name] = [costs.op_cost(n.call.target, s.inputs, s.outputs).compute_s for s in n.strategies]
+            # an op's own communication (routed experts' all-to-alls) counts with its compute
+            out[n.name] = [costs.op_cost(n.call.target, s.inputs, s.outputs).total_s for s in n.strategies]
     return out
 
 

@@ -61,6 +61,15 @@ class OpOutput:
 
 
 @dataclass(frozen=True)
+class OpInput:
+    """A key of `pinned`: the op node `node` reads its tensor input `position` in the
+    pinned layout (None on a mesh axis: any placement there)."""
+
+    node: str
+    position: int
+
+
+@dataclass(frozen=True)
 class PlannedNode:
     name: str
     op: str  # the ATen overload name, or "placeholder" / "getitem" / "output"
@@ -241,20 +250,29 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
     strategies = expand(axis_rules, call, mesh.shape, hand, units if hand else None)
     if OpOutput(node.name) in pinned:
         strategies = _pinned_strategies(node, strategies, tuple(pinned[OpOutput(node.name)]))
+    for key in [k for k in pinned if isinstance(k, OpInput) and k.node == node.name]:
+        strategies = _pinned_strategies(node, strategies, tuple(pinned[key]), key.position)
     return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
                        module_path(node), source)
 
 
-def _pinned_strategies(node: fx.Node, strategies: list[Strategy], layout: tuple[Optional[Placement], ...]
-                       ) -> list[Strategy]:
-    """The strategies whose first output has `layout` (None on an axis: any placement there)."""
-    kept = [s for s in strategies if s.outputs and len(layout) == len(s.outputs[0].placements)
-            and all(w is None or w == p for w, p in zip(layout, s.outputs[0].placements))]
+def _pinned_strategies(node: fx.Node, strategies: list[Strategy], layout: tuple[Optional[Placement], ...],
+                       position: Optional[int] = None) -> list[Strategy]:
+    """The strategies whose first output (or tensor input `position`) has `layout` (None on
+    an axis: any placement there)."""
+    def spec(s: Strategy) -> Optional[Spec]:
+        specs = s.outputs if position is None else s.inputs
+        k = 0 if position is None else position
+        return specs[k] if k < len(specs) else None
+
+    kept = [s for s in strategies if spec(s) is not None and len(layout) == len(spec(s).placements)
+            and all(w is None or w == p for w, p in zip(layout, spec(s).placements))]
     if not kept:
-        offered = sorted({"".join(map(str, s.outputs[0].placements)) for s in strategies if s.outputs})
+        offered = sorted({"".join(map(str, spec(s).placements)) for s in strategies if spec(s) is not None})
         pinned = "".join("*" if p is None else str(p) for p in layout)
-        raise PinError(f"{describe_node(node)} was pinned to {pinned}, which its rule does not offer on this mesh; "
-                       f"it offers {', '.join(offered)}")
+        what = "" if position is None else f"'s input {position}"
+        raise PinError(f"{describe_node(node)}{what} was pinned to {pinned}, which its rule does not offer on this "
+                       f"mesh; it offers {', '.join(offered)}")
     return kept
 
 

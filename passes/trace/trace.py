@@ -15,6 +15,8 @@
    extra output (first in the output tuple), recorded as a BufferUpdate: the runtime
    stores each rank's block of it after the call. Training batch norms become the ops
    of their definition, so a batch split synchronises statistics (SyncBatchNorm).
+5. Canonical order and names (passes/trace/canonical.py); each mixture-of-experts routing
+   becomes one routed_experts node (passes/trace/experts.py).
 
 Steps 1-3 are export_program, steps 4-5 traced_program; program_bytes and load_program
 carry a program from one process to another between the two (runtime/shipping.py: one
@@ -42,6 +44,7 @@ from autopar.passes.trace.dynamic import SymbolicDim, specialised_error, symboli
 from autopar.passes.trace.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
 from autopar.passes.trace.canonical import canonicalise
 from autopar.passes.trace.custom_grad import backward_differs, custom_functions_applied
+from autopar.passes.trace.experts import collapse_routed_experts
 from autopar.passes.trace.higher_order import inline_grad_regions
 
 @dataclass(frozen=True)
@@ -244,6 +247,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     sync_batch_norms(ep.graph_module)
     inputs = _rename_placeholders(ep.graph_module, inputs)
     canonicalise(ep.graph_module)
+    collapse_routed_experts(ep.graph_module)  # after canonicalise: its bodies' names are canonical too
     renamed = {gi.target: gi.name for gi in inputs if gi.kind is NodeKind.BUFFER}
     return TracedGraph(
         gm=ep.graph_module,

@@ -1,0 +1,72 @@
+"""Expert parallelism on one mesh axis: routed rows sent to the rank that holds their
+expert and the results sent back (autopar/core/routed.py's op with rows and experts split).
+
+    this rank's rows --sort by expert--> [to rank 0 | to rank 1 | ...]
+        1. counts: how many rows go to each rank (all-to-all of n integers)
+        2. dispatch: the rows of every source, their expert ids (all-to-all, uneven splits)
+        3. compute: the received rows of this rank's experts, grouped by expert (the body)
+        4. combine: results back to the ranks they came from (all-to-all, splits swapped)
+        5. unsort: rows back in this rank's order
+Rank c of the axis holds experts [c * E_c, (c + 1) * E_c). Steps 2 and 4 are autograd
+functions whose backward is the all-to-all the other way round, so gradients reach the
+rows' ranks and every expert's gradient is whole on its rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.core.routed import run_sorted
+from autopar.runtime.collectives import AxisComm
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
+    """Rows in_splits[i] of x go to rank i of the axis; out_splits[i] rows come from it."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=comm.group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
+        ctx.splits, ctx.comm = (out_splits, in_splits), comm
+        return _exchange(x, out_splits, in_splits, comm)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _exchange(g, in_splits, out_splits, ctx.comm), None, None, None
+
+
+def expert_parallel(comm: AxisComm, ids: torch.Tensor, rows: Sequence[torch.Tensor], experts: Sequence[torch.Tensor],
+                    row_group: Sequence[int], body: str) -> torch.Tensor:
+    """This rank's routed rows (ids and row sources split over the axis with the
+    experts), each computed by its expert on that expert's rank (module docstring)."""
+    n, local = comm.size, experts[0].shape[0]
+    perm = torch.argsort(ids, stable=True)
+    sorted_ids = ids[perm]
+    # 1. counts
+    send = torch.histc((sorted_ids // local).float(), bins=n, min=0, max=n - 1).to(torch.int64)
+    recv = _exchange(send, [1] * n, [1] * n, comm)
+    send_splits, recv_splits = send.tolist(), recv.tolist()
+    # 2. dispatch
+    sent = [src[perm // g] if g != 1 else src[perm] for src, g in zip(rows, row_group)]
+    got = [_AllToAll.apply(r, recv_splits, send_splits, comm) for r in sent]
+    got_ids = _exchange(sorted_ids, recv_splits, send_splits, comm) - comm.coord * local
+    # 3. compute
+    y = run_sorted(got_ids, got, experts, [1] * len(got), local, body)
+    # 4. combine, 5. unsort
+    back = _AllToAll.apply(y, send_splits, recv_splits, comm)
+    return back[torch.argsort(perm)]
+
+
+def expert_parallel_standing_in(comm: AxisComm, ids: torch.Tensor, rows: Sequence[torch.Tensor],
+                                experts: Sequence[torch.Tensor], row_group: Sequence[int], body: str) -> torch.Tensor:
+    """One rank timed alone (runtime/measure.py): its own rows computed by its experts as
+    if routing were balanced (every row kept here, ids folded onto the local experts)."""
+    local = experts[0].shape[0]
+    return run_sorted(ids % local, rows, experts, row_group, local, body)
