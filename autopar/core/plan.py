@@ -38,6 +38,8 @@ class Plan:
     state_bytes: int = 0  # per rank: gradients and optimiser state (training plans)
     cost_note: str = ""  # where the costs came from (preset, or profile and how many timings it lacked)
     discovered_ops: tuple[str, ...] = ()  # ops sharded by rules found by experiment (passes/strategies/discovery.py)
+    # why a sort by expert was not made a routed_experts op (passes/trace/experts.py): its experts stay unsplit
+    routing_notes: tuple[str, ...] = ()
     # stages, schedule and microbatches when a mesh axis pipelines (autopar/core/pipeline.py);
     # the nodes and edges are then empty: each stage has its own plan, of its own module
     # on its sub-mesh, in stage_plans
@@ -120,6 +122,8 @@ class Plan:
             lines.append(f"  replicated for want of a rule: {', '.join(self.unruled_ops)}")
         if self.discovered_ops:
             lines.append(f"  sharded by discovered rules: {', '.join(self.discovered_ops)}")
+        for note in self.routing_notes:
+            lines.append(f"  not expert-parallel: {note}")
         return "\n".join(lines)
 
     def table(self) -> str:

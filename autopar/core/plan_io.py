@@ -18,6 +18,7 @@ Schema version 1 (keys of the top-level object):
                        shared_blocks (absent in older files: 0)}
     unruled_ops       ops replicated for want of a rule
     discovered_ops    ops sharded by rules found by experiment (absent in older files)
+    routing_notes     why a sort by expert was not made a routed_experts op (absent in older files)
     cost_note         where the costs came from (preset, or profile and its missing timings)
     pipeline          only in pipelined plans: {axis, microbatches, schedule, container, blocks,
                       bubble_s, step_s, stages: [{index, rank, first, stop, step_s, send_bytes, send_s}]}
@@ -139,6 +140,7 @@ def _plan_dict(plan: Any) -> dict:
                       "memory_bytes": plan.memory_bytes},
         "solver": asdict(plan.solver),
         "unruled_ops": list(plan.unruled_ops), "discovered_ops": list(plan.discovered_ops),
+        "routing_notes": list(getattr(plan, "routing_notes", ())),
         "cost_note": plan.cost_note,
         "recompute": [{"name": b.name, "nodes": list(b.nodes)} for b in getattr(plan, "recompute", ())],
         "links": [dict(asdict(a.link), kind=a.kind.value) for a in getattr(plan, "links", ())],
@@ -173,6 +175,7 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             recompute=tuple(RecomputedBlock(b["name"], tuple(b["nodes"])) for b in d.get("recompute", ())),
             unruled_ops=tuple(d.get("unruled_ops", ())), state_bytes=int(p.get("state_bytes", 0)),
             cost_note=d.get("cost_note", ""), discovered_ops=tuple(d.get("discovered_ops", ())),
+            routing_notes=tuple(d.get("routing_notes", ())),
             links=tuple(AxisLink(LinkKind(a["kind"]), Link(float(a["alpha_s"]), float(a["beta_s_per_byte"]), a["name"]))
                         for a in d.get("links", ())),
             pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None,

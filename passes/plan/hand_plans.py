@@ -27,12 +27,12 @@ lays out the rest.
     tp_cp          Megatron on the last axis (attention split by heads there), sequence
                    over the others
 
-Expert parallelism (torchtitan's, DeepSpeed's): the routed experts' weights (parameters
+Expert parallelism (torchtitan's FSDP with EP): the routed experts' weights (parameters
 of three dims under an `experts` module) split by expert over the last axis, every
 routed_experts node (autopar/core/routed.py) split by rows, so each row travels to its
-expert's rank and back; everything else data parallel.
+expert's rank and back; every other parameter as fsdp.
 
-    ep             experts over the last axis; inputs by batch over every axis
+    ep             experts over the last axis; the rest fsdp; inputs by batch over every axis
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ EXPERT_WEIGHT = re.compile(r"(^|\.)experts\.[^.]+$")
 
 def ep(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
     last = len(mesh_shape) - 1
-    params = _replicated(model, mesh_shape)
+    params = fsdp(model, mesh_shape).params
     experts = [n for n, p in model.named_parameters(remove_duplicate=False) if p.ndim == 3 and EXPERT_WEIGHT.search(n)]
     if not experts:
         raise HandPlanError("hand-plan style 'ep' splits routed experts (three-dim parameters of an `experts` "

@@ -52,7 +52,9 @@ from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member
 from autopar.passes.solve.ilp_overlap import least_backward, parameter_shares
 from autopar.passes.solve.recompute_ilp import block_terms
 from autopar.passes.trace.saved import saved_outputs
+from autopar.core.routed import ROUTED_EXPERTS
 from autopar.passes.rules import Strategy
+from autopar.passes.trace.experts import routing_notes
 from autopar.passes.solve.solver_backend import Solution, SolveStatus, solve_program, solver_name
 from autopar.passes.strategies.strategies import AnnotatedGraph, PlannedNode
 
@@ -325,7 +327,11 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
     for n in graph.nodes:
         s = chosen[n.name]
         c = compute[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
-        compute_total += c
+        # an op's own communication (routed experts' all-to-alls) is reported as communication
+        own_comm = costs.op_cost(n.call.target, s.inputs, s.outputs).comm_s \
+            if n.call is not None and n.call.target is ROUTED_EXPERTS else 0.0
+        compute_total += c - own_comm
+        comm_total += own_comm
         options = tuple(_alternative(n, alt, compute[n.name][i], chosen, consumers, pricer)
                         for i, alt in enumerate(n.strategies))
         nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
@@ -348,4 +354,5 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
                 training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
                 compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
                 activation_bytes=act_bytes + again.memory_bytes, solver=report, unruled_ops=graph.unruled_ops,
-                state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden)
+                state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden,
+                routing_notes=routing_notes(graph.traced.gm))

@@ -25,8 +25,9 @@ expert (expert parallelism) as well as by rows.
    value of it has S rows, so each row is computed alone.
 4. The region's ops become a body graph (offsets, sorted rows, experts -> rows), the exit
    a routed_experts node; the rest is dead and removed.
-A candidate that fails a test stays as it was (its ops keep their own rules) and the
-reason is recorded, for the plan's explanation: `routing_notes(gm)`.
+A candidate that fails a test stays as it was (its ops keep their own rules) and, in a
+graph that counts or multiplies by expert (histc, a grouped matmul), the reason is
+recorded for the plan's summary: `routing_notes(gm)`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
+from autopar.core.errors import describe_node
+from autopar.core.log import LOG
 from autopar.core.routed import ROUTED_EXPERTS, register_body
 
 aten = torch.ops.aten
@@ -73,7 +76,8 @@ def collapse_routed_experts(gm: fx.GraphModule) -> int:
         try:
             routing = _match(node)
         except NotRouting as e:
-            notes.append(f"{node.name}: {e}")
+            notes.append(f"{describe_node(node)}: {e}")
+            LOG.info("routed experts: %s", notes[-1])
             continue
         _collapse(gm, routing)
         found += 1
@@ -81,7 +85,8 @@ def collapse_routed_experts(gm: fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-    gm.meta[NOTES_KEY] = tuple(notes)
+    moe = any(n.op == "call_function" and (_grouped_mm(n) or n.target is aten.histc.default) for n in gm.graph.nodes)
+    gm.meta[NOTES_KEY] = tuple(notes) if moe else ()  # a sort in a model without experts is no routing
     return found
 
 
