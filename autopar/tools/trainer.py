@@ -11,8 +11,8 @@ Why a subclass: what has to change are decisions Trainer takes in its own method
 norm, the weight-decay names, what is saved). A TrainerCallback only sees events and
 can change none of them; a prepare(trainer) helper would have to patch those same
 methods onto one instance. Subclassing is the extension point Trainer documents
-("subclass and override"), and a user's own Trainer subclass can put this one first
-in its bases.
+("subclass and override"); a user's own Trainer subclass can derive from this one
+instead.
 
 autopar wants the same full batch on every rank, splits it itself and synchronises
 the gradients itself, so every rank runs the loop one process would run:
