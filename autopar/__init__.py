@@ -49,6 +49,7 @@ _EXPORTS = {
     "save_training_checkpoint": "autopar.api", "load_training_checkpoint": "autopar.api", "resume": "autopar.api",
     "latest_checkpoint": "autopar.api", "CheckpointManifest": "autopar.api", "CheckpointError": "autopar.core.errors",
     "GradientError": "autopar.core.errors", "PipelineMemoryError": "autopar.core.pipeline",
+    "AutoparTrainer": "autopar.tools.trainer", "TrainerError": "autopar.core.errors",
 }
 
 __all__ = sorted(_EXPORTS)

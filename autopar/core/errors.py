@@ -124,3 +124,9 @@ def describe_node(node) -> str:
             where = " at " + lines[-1].replace("File ", "").split(", in ")[0]
     target = getattr(node, "target", "?")
     return f"node {node.name} ({target}){where}"
+
+
+class TrainerError(AutoparError, ValueError):
+    """A transformers Trainer set up in a way a ParallelModule cannot train under (a
+    TrainingArguments field autopar replaces, a pipelined plan, another device); names
+    the field and the fix."""

@@ -63,6 +63,19 @@ class StepMetrics:
                 f"({self.memory_kind})")
 
 
+def combined(steps: Sequence[StepMetrics]) -> StepMetrics:
+    """Several steps as one: their seconds, tokens and model FLOPs summed, the rates of
+    the sum (a time-weighted mean: tokens/s/device = sum tokens / sum seconds / devices),
+    the highest peak memory. A logging window's figures, not the mean of its steps' rates."""
+    if not steps:
+        raise ValueError("combined() needs at least one step")
+    seconds = sum(s.seconds for s in steps)
+    return StepMetrics(seconds, sum(s.tokens for s in steps),
+                       sum(s.tokens_per_s_per_device * s.seconds for s in steps) / seconds,
+                       sum(s.model_flops for s in steps), sum(s.mfu * s.seconds for s in steps) / seconds,
+                       max(s.peak_memory_bytes for s in steps), steps[-1].memory_kind)
+
+
 def token_count(leaves: Sequence[tuple[torch.dtype, tuple[int, ...]]], paths: Sequence[str] = ()) -> int:
     """The tokens (module docstring) of inputs given as (dtype, shape) per tensor leaf,
     with their paths ("kwargs['input_ids']") where known."""
