@@ -63,7 +63,8 @@ def member_entry(name: str, value: object) -> str:
 def entry(name: str, obj: object) -> str:
     lines = [f"### `autopar.{name}`", ""]
     if isinstance(obj, type) and issubclass(obj, enum.Enum):
-        lines += [f"`{obj.__module__}.{obj.__qualname__}`: " + ", ".join(f"`{m.name}` = `{m.value!r}`" for m in obj), ""]
+        values = ", ".join(f"`{m.name}` = `{m.value!r}`" for m in obj)
+        lines += [f"`{obj.__module__}.{obj.__qualname__}`: {values}", ""]
     elif not (isinstance(obj, type) and issubclass(obj, BaseException)):
         lines += ["```python", f"{name}{signature(obj)}", "```", ""]
     doc = inspect.getdoc(obj)

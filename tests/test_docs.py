@@ -50,26 +50,23 @@ class Block:
 
 def blocks() -> list[Block]:
     found = []
-    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
-    for path in pages:
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
         if path == DOCS / "api.md":
             continue  # generated: its blocks are signatures
-        text = path.read_text()
-        pythons = 0
+        text, pythons = path.read_text(), 0
         for m in BLOCK.finditer(text):
-            if m.group("lang") == "bash":
-                if m.group("marker"):
-                    found.append(Block(str(path.relative_to(ROOT)), text.count("\n", 0, m.start("code")) + 1,
-                                       "shell" if m.group("marker").strip() == "shell" else "bash: " + m.group("marker"),
-                                       "", m.group("code")))
-                continue
-            pythons += 1
-            if path == ROOT / "README.md" and pythons == 1:
+            marker, lang = (m.group("marker") or "").strip(), m.group("lang")
+            if lang == "bash" and not marker:
+                continue  # install and test commands, which CI runs itself
+            pythons += lang == "python"
+            if path == ROOT / "README.md" and lang == "python" and pythons == 1:
                 continue  # tests/test_readme.py runs it under torchrun
-            marker = (m.group("marker") or "fast").strip()
-            kind, _, reason = marker.partition(":")
+            kind, _, reason = (marker or "fast").partition(":")
+            kind = kind.strip()
+            if (lang == "bash") != (kind == "shell"):
+                kind = f"{kind} ({lang})"  # a shell marker on python or the reverse: refused below
             line = text.count("\n", 0, m.start("code")) + 1
-            found.append(Block(str(path.relative_to(ROOT)), line, kind.strip(), reason.strip(), m.group("code")))
+            found.append(Block(str(path.relative_to(ROOT)), line, kind, reason.strip(), m.group("code")))
     return found
 
 
