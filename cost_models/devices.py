@@ -40,6 +40,10 @@ class DeviceSpec:
     achievable: float = 0.6  # fraction of peak a good kernel reaches
     memory_bytes: Optional[int] = field(default=None, compare=False)  # device memory per rank (None: unbounded)
     detected: str = field(default="", compare=False)  # the device "auto" read, e.g. "NVIDIA H100 80GB HBM3"
+    # collectives run on their own engine beside compute (NCCL on GPUs), so a prefetched
+    # parameter gather hides under compute (cost_models/overlap.py); gloo on shared CPU
+    # cores competes with compute for the same cores
+    collectives_beside_compute: bool = False
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         return self.peak_flops.get(dtype, self.peak_flops[torch.float32]) * self.achievable
@@ -72,25 +76,25 @@ PRESETS: dict[str, DeviceSpec] = {
         "a100", {**{d: 312 * TF for d in _NV_DTYPES}, torch.float32: 156 * TF, torch.float64: 19.5 * TF},
         mem_bw_bytes_per_s=2039 * GBps, op_overhead_s=5e-6,
         intra_link=Link(8e-6, 1 / (240 * GBps), "nvlink3"), inter_link=Link(15e-6, 1 / (23 * GBps), "ib-200g"),
-        memory_bytes=80 * 2**30),
+        memory_bytes=80 * 2**30, collectives_beside_compute=True),
     # NVIDIA H100 SXM: 989 TF bf16, 494 TF tf32, 3.35 TB/s; NVLink4 450 GB/s/dir; 400 Gb/s IB
     "h100": DeviceSpec(
         "h100", {**{d: 989 * TF for d in _NV_DTYPES}, torch.float32: 494 * TF, torch.float64: 67 * TF},
         mem_bw_bytes_per_s=3350 * GBps, op_overhead_s=4e-6,
         intra_link=Link(6e-6, 1 / (360 * GBps), "nvlink4"), inter_link=Link(12e-6, 1 / (45 * GBps), "ib-400g"),
-        memory_bytes=80 * 2**30),
+        memory_bytes=80 * 2**30, collectives_beside_compute=True),
     # NVIDIA H200 SXM: H100 compute, 4.8 TB/s HBM3e, 141 GB
     "h200": DeviceSpec(
         "h200", {**{d: 989 * TF for d in _NV_DTYPES}, torch.float32: 494 * TF, torch.float64: 67 * TF},
         mem_bw_bytes_per_s=4800 * GBps, op_overhead_s=4e-6,
         intra_link=Link(6e-6, 1 / (360 * GBps), "nvlink4"), inter_link=Link(12e-6, 1 / (45 * GBps), "ib-400g"),
-        memory_bytes=141 * 10**9),
+        memory_bytes=141 * 10**9, collectives_beside_compute=True),
     # NVIDIA B200 (HGX): 2.25 PF dense bf16, 8 TB/s HBM3e, 180 GB usable; NVLink5 900 GB/s/dir; 400 Gb/s IB
     "b200": DeviceSpec(
         "b200", {**{d: 2250 * TF for d in _NV_DTYPES}, torch.float32: 1100 * TF, torch.float64: 37 * TF},
         mem_bw_bytes_per_s=8000 * GBps, op_overhead_s=4e-6,
         intra_link=Link(5e-6, 1 / (720 * GBps), "nvlink5"), inter_link=Link(12e-6, 1 / (45 * GBps), "ib-400g"),
-        memory_bytes=180 * 10**9),
+        memory_bytes=180 * 10**9, collectives_beside_compute=True),
 }
 AUTO = "auto"
 _GPU_NAMES = (("B200", "b200"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100"))  # device name -> preset

@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 from autopar.core.placement import R, Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step, Unreachable, reshard_moves, reshard_steps, split_axes
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import credit_s, hideable_s
+from autopar.cost_models.overlap import NO_SHARE, Share, hidden_s
 
 INF = float("inf")  # the cost of an unreachable reshard (and, in passes/solve/ilp.py, of an impossible choice)
 
@@ -53,7 +53,7 @@ class EdgePricer:
         self._steps: dict[tuple[int, DstKey], Optional[tuple[Step, ...]]] = {}
         self._cost: dict[tuple[int, DstKey], float] = {}
         self._moves: dict[tuple, Optional[tuple[Step, ...]]] = {}  # (layouts, ndim, grad-sync axes) -> moves
-        self._hideable: dict[tuple[int, DstKey], float] = {}
+        self._hideable: dict[tuple[int, DstKey, Share], float] = {}
         self._step_s: dict[tuple, float] = {}  # (kind, backward, axis, local bytes, differentiable) -> seconds
 
     def spec_id(self, spec: Spec) -> int:
@@ -112,25 +112,25 @@ class EdgePricer:
             total += step_s
         return total
 
-    def hideable_between(self, src: int, dst: DstKey) -> float:
-        """H: the seconds of the reshard a gradient bucket carries (cost_models/overlap.py),
-        were it a parameter's edge; 0 for an unreachable pair."""
-        key = (src, dst)
+    def hidden_between(self, src: int, dst: DstKey, share: Share) -> float:
+        """What of the reshard hides were it a parameter's edge with `share`
+        (cost_models/overlap.py hidden_s); 0 for an unreachable pair."""
+        key = (src, dst, share)
         h = self._hideable.get(key)
         if h is None:
-            h = self._hideable[key] = hideable_s(self.steps_between(src, dst) or (), self.costs)
+            h = self._hideable[key] = hidden_s(self.steps_between(src, dst) or (), self.costs, share)
         return h
 
-    def price_between(self, src: int, dst: DstKey, share_s: float = 0.0) -> float:
-        """R less what a gradient bucket hides of it: a parameter edge with a share
-        share_s of its bucket's stretch (cost_models/overlap.py) pays R - min(H, share_s)."""
+    def price_between(self, src: int, dst: DstKey, share: Share = NO_SHARE) -> float:
+        """R less what hides of it: a parameter edge with `share` of its bucket's stretch
+        and of its prefetch window (cost_models/overlap.py) pays R - hidden."""
         cost = self.cost_between(src, dst)
-        if share_s <= 0.0 or cost == INF:
+        if not share or cost == INF:
             return cost
-        return cost - credit_s(self.hideable_between(src, dst), share_s)
+        return cost - self.hidden_between(src, dst, share)
 
-    def price_s(self, src: Spec, consumer: Layouts, position: int, share_s: float = 0.0) -> float:
-        return self.price_between(self.spec_id(src), self.dst_key(consumer, position), share_s)
+    def price_s(self, src: Spec, consumer: Layouts, position: int, share: Share = NO_SHARE) -> float:
+        return self.price_between(self.spec_id(src), self.dst_key(consumer, position), share)
 
     def steps(self, src: Spec, consumer: Layouts, position: int) -> Optional[tuple[Step, ...]]:
         return self.steps_between(self.spec_id(src), self.dst_key(consumer, position))

@@ -7,9 +7,14 @@ What overlaps at run time, and what this model credits:
     data-parallel gradient buckets     launched during backward the moment their last
     (autopar/runtime/buckets.py)       gradient exists, waited once at its end: they hide
                                        under the backward compute that follows the launch
-    every other collective             priced where it sits (blocking): forward collectives
-                                       of a dependent chain (Megatron's all-reduces, the
-                                       gathers feeding the next op) and their conjugates
+    a parameter's first reshard        (GPU presets, DeviceSpec.collectives_beside_compute)
+    (FSDP's gather, passes/lower/        issued as soon as the previous parameter use has
+    schedule.py prefetch)              run, waited before its own use: it hides under the
+                                       forward compute between the two uses, its conjugate
+                                       (the gradient's reduce-scatter) under their backward
+    every other collective             priced where it sits (blocking): activation
+                                       collectives of a dependent chain (Megatron's
+                                       all-reduces) and their conjugates
 
 Stretches. Backward runs the program's nodes in reverse. Bucket k launches after the
 backward of its earliest-used parameter's first consumer, at program position p_k;
@@ -40,16 +45,31 @@ latency per edge where the bucket's one all-reduce S_k pays one: against S_k its
 credit can be larger by those latencies.) Backlog carried from one stretch into the next
 is not credited.
 
+Prefetch windows. Let q_1 < q_2 < ... be the program positions where parameters are
+used. The first reshard step of a parameter edge into q_j starts after the node at
+q_{j-1} and is waited before q_j: its window is the nodes strictly between (from the
+program's start for q_1). With F_j and B_j the window's least forward and backward
+seconds (under any strategy, as C_k above), each edge at q_j takes a share of them by
+its parameter's bytes among the parameters used there, and
+
+    hidden_e += min(Hf_e, share_f) + min(Hb_e, share_b)
+
+Hf_e, Hb_e: the forward and backward seconds of the edge's first step, where it
+communicates and is not a grad sync (those are the buckets'); on presets whose
+collectives compete with compute for the same cores (the CPU over gloo) both are 0.
+Several gathers prefetched into one window each take their own share, so together they
+are credited at most the window's compute.
+
 Bucket membership is read off the graph, not the plan: parameters in reverse program
 order, BUCKET_BYTES of their global bytes per bucket (the runtime fills buckets with
 local bytes: with sharded parameters this counts fewer, larger buckets, less overlap).
-Not modelled: the in-flight cap (it bounds program collectives, not buckets) and
-program collectives overlapping independent compute (priced blocking).
+Not modelled: the in-flight cap (it may retire a prefetched gather early) and
+activation collectives overlapping independent compute (priced blocking).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Hashable, Mapping, Sequence
 
@@ -77,6 +97,45 @@ class ParamUse:
     param: str
     position: int
     edge: Hashable
+
+
+@dataclass(frozen=True)
+class Share:
+    """A parameter edge's shares of the compute its collectives may hide under: its
+    bucket's backward stretch, and its prefetch window's forward and backward seconds."""
+
+    bucket_s: float = 0.0
+    window_forward_s: float = 0.0
+    window_backward_s: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self.bucket_s > 0.0 or self.window_forward_s > 0.0 or self.window_backward_s > 0.0
+
+
+NO_SHARE = Share()
+
+
+def prefetch_hideable_s(steps: Sequence[Step], costs: CostModel) -> tuple[float, float]:
+    """(Hf, Hb): forward and backward seconds of a parameter edge's first step where the
+    schedule prefetches it (it communicates, is no grad sync) on a preset whose
+    collectives run beside compute; (0, 0) elsewhere."""
+    if not steps or not costs.device.collectives_beside_compute:
+        return 0.0, 0.0
+    first = steps[0]
+    if not first.kind.communicates or first.kind is StepKind.GRAD_SYNC:
+        return 0.0, 0.0
+    forward = replace(costs, training=False).steps_cost((first,)).comm_s
+    both = costs.steps_cost((first,)).comm_s
+    return forward, both - forward
+
+
+def hidden_s(steps: Sequence[Step], costs: CostModel, share: Share) -> float:
+    """What of an edge's reshard hides: its bucket's credit and its prefetch's."""
+    if not share:
+        return 0.0
+    forward, backward = prefetch_hideable_s(steps, costs)
+    return (credit_s(hideable_s(steps, costs), share.bucket_s) + credit_s(forward, share.window_forward_s)
+            + credit_s(backward, share.window_backward_s))
 
 
 def hideable_s(steps: Sequence[Step], costs: CostModel) -> float:
@@ -140,22 +199,52 @@ def edge_shares(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse],
     return {u.edge: per_param[u.param] / count[u.param] for u in uses}
 
 
+def window_shares(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse], least_forward_s: Sequence[float],
+                  least_backward_s: Sequence[float]) -> dict[Hashable, tuple[float, float]]:
+    """(share_f, share_b) per parameter edge: its prefetch window's least forward and
+    backward seconds (module docstring), split by bytes over the parameters used at its
+    position."""
+    nbytes = dict(params)
+    at: dict[int, list[ParamUse]] = {}
+    for u in uses:
+        at.setdefault(u.position, []).append(u)
+    out: dict[Hashable, tuple[float, float]] = {}
+    previous = -1
+    for q in sorted(at):
+        forward, backward = sum(least_forward_s[previous + 1:q]), sum(least_backward_s[previous + 1:q])
+        total = sum(nbytes[u.param] for u in at[q])
+        for u in at[q]:
+            part = nbytes[u.param] / total if total else 1.0 / len(at[q])
+            out[u.edge] = (forward * part, backward * part)
+        previous = q
+    return out
+
+
+def edge_share_table(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse], least_forward_s: Sequence[float],
+                     least_backward_s: Sequence[float]) -> dict[Hashable, Share]:
+    """Share per parameter edge: its bucket's (edge_shares) and its window's (window_shares)."""
+    buckets = edge_shares(params, uses, least_backward_s)
+    windows = window_shares(params, uses, least_forward_s, least_backward_s)
+    return {e: Share(buckets[e], *windows[e]) for e in buckets}
+
+
 def credit_s(hideable: float, share: float) -> float:
     """hidden_e = min(H_e, share_e)."""
     return min(hideable, share)
 
 
-def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_backward_s: Sequence[float]) -> float:
-    """Seconds of comm_s hidden under backward, for a plan's nodes (NodeChoice, in program
-    order) and edges (EdgePlan); `least_backward_s`: per node, the least backward seconds
-    of its strategies (evaluate.least_backward_s)."""
+def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_backward_s: Sequence[float],
+                  least_forward_s: Sequence[float]) -> float:
+    """Seconds of comm_s hidden under compute, for a plan's nodes (NodeChoice, in program
+    order) and edges (EdgePlan); `least_backward_s`, `least_forward_s`: per node, the
+    least backward and forward seconds of its strategies (evaluate.least_backward_s)."""
     if not costs.training:
         return 0.0
     params = [(n.name, global_nbytes(n.outputs[0].meta)) for n in nodes if n.kind is NodeKind.PARAMETER]
     position = {n.name: i for i, n in enumerate(nodes)}
     uses = parameter_uses(params, position, [(e.producer, e.consumer, e.position) for e in edges])
-    shares = edge_shares(params, uses, least_backward_s)
-    return sum(credit_s(hideable_s(e.steps, costs), shares[(e.consumer, e.position)])
+    shares = edge_share_table(params, uses, least_forward_s, least_backward_s)
+    return sum(hidden_s(e.steps, costs, shares[(e.consumer, e.position)])
                for e in edges if (e.consumer, e.position) in shares)
 
 

@@ -4,6 +4,7 @@ that follows their launch, and the solver, the plan and evaluate() price it alik
 from __future__ import annotations
 
 import warnings
+from operator import getitem
 
 import pytest
 import torch
@@ -157,3 +158,78 @@ def test_a_pipelined_plan_splits_its_step_into_compute_and_comm_as_its_stages_pl
     assert sub.hidden_s > 0 and plan.hidden_s == 0.0
     assert plan.comm_s / (plan.compute_s + plan.comm_s) == pytest.approx(sub.comm_s / (sub.compute_s + sub.comm_s),
                                                                          rel=1e-9)
+
+
+# ---- prefetched parameter gathers (GPU presets) -------------------------------------------
+
+def _fsdp_mlp_plan(device: str):
+    with torch.device("meta"):
+        model = MLP((2048, 2048, 2048, 2048), bias=False).train()
+        x = torch.randn(8192, 2048)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.hand_plan(model, (x,), mesh=(4,), style="fsdp", device=device)
+
+
+def test_a_prefetched_gather_hides_under_the_compute_since_the_previous_use():
+    # FSDP: each 16 MiB weight is gathered before its linear. The gather of w1 (w2) is
+    # issued after linear (linear_1) and waited before linear_1 (linear_2): it hides under
+    # the relu between them, forward and backward (its gradient's reduce-scatter); w0's
+    # gather has nothing before it. Each window hides min(comm, compute) per direction.
+    plan = _fsdp_mlp_plan("h100")
+    link = plan.links[0].link
+    gather, scatter = comm.all_gather_s(16 * MIB, 4, link), comm.reduce_scatter_s(16 * MIB, 4, link)
+    relus = [n for n in plan.nodes if n.op == "aten.relu.default"]
+    assert len(relus) == 2
+    # a relu's step compute is forward + backward, one pass each; the window counts the least
+    least = [min(a.compute_s for a in n.options) / 2 for n in relus]
+    want = sum(min(gather, f) + min(scatter, f) for f in least)
+    assert 0 < want < 2 * (gather + scatter)
+    assert plan.hidden_s == pytest.approx(want, rel=1e-9)
+    ev = evaluate(plan)
+    assert ev.hidden_s == pytest.approx(plan.hidden_s, rel=1e-12) and ev.total_s == pytest.approx(plan.total_s)
+
+
+def test_the_cpu_preset_credits_no_prefetch():
+    # gloo on shared cores: a collective competes with compute for the same cores
+    assert _fsdp_mlp_plan("cpu").hidden_s == 0.0
+
+
+def test_the_schedule_prefetches_each_gather_by_the_previous_use():
+    # FSDP with the sequence split (fsdp_cp) on (4,): keys and values are gathered between
+    # the parameter uses, yet every parameter's first collective is issued no later than
+    # right after the previous parameter use (passes/lower/schedule.py, 2.), not behind them
+    from autopar.passes.lower.emit import emit
+    from autopar.passes.lower.program import StepModule, WaitModule
+    from autopar.passes.trace.trace import trace
+    from tests import models
+    m = models.build("llama").train()
+    args, kwargs = models.inputs("llama", batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.hand_plan(m, args, kwargs, mesh=(4,), style="fsdp_cp", device="h100")
+    gm = emit(trace(m, args, kwargs), plan, (1,)).gm
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    module = {n: gm.get_submodule(n.target) for n in nodes if n.op == "call_module"}
+    waits = {n for n, mod in module.items() if isinstance(mod, WaitModule)}
+    prefetched = [n for n, mod in module.items() if isinstance(mod, StepModule) and any(u in waits for u in n.users)
+                  and all(a.op == "placeholder" for a in n.all_input_nodes)]
+
+    def first_use(start):
+        todo, best = [next(u for u in start.users if u in waits)], len(nodes)
+        while todo:
+            for u in todo.pop().users:
+                if u.op == "call_function":
+                    best = min(best, index[u])
+                elif u.op == "call_module":
+                    todo.append(u)
+        return best
+
+    uses = sorted({first_use(s) for s in prefetched})
+    assert len(uses) > 10
+    for s in prefetched:  # no compute between the previous use and the start: it was issued right after
+        at = uses.index(first_use(s))
+        lo = uses[at - 1] if at else 0
+        compute = [n.name for n in nodes[lo + 1:index[s]] if n.op == "call_function" and n.target is not getitem]
+        assert not compute, (s.name, compute)

@@ -11,8 +11,12 @@ start placed early is also a backward collective finished late.
 
 1. Starts are issued as early as their input exists, in their original order (every
    rank runs the same schedule, so every process group sees one order of collectives).
-2. A wait is placed just before the first node that uses its result.
-3. At most `cap_bytes` are in flight: before a start that would exceed it, the oldest
+2. A start whose input is a program input (a parameter's gather, FSDP's) is also issued
+   no later than right after the previous use of any program input's collective, ahead
+   of its turn if need be, so it runs beside at least the compute between the two uses
+   (the window cost_models/overlap.py prices); the first ones at the program's start.
+3. A wait is placed just before the first node that uses its result.
+4. At most `cap_bytes` are in flight: before a start that would exceed it, the oldest
    collectives in flight are waited on first (one collective alone may exceed the cap).
 Nodes keep their names; the graph's meaning does not change, only its order.
 """
@@ -67,9 +71,41 @@ class _Order:
         self.output = next(n for n in nodes if n.op == "output")
         self.body = [n for n in nodes if n.op not in ("placeholder", "output")
                      and n not in start_set and n not in self.waits]
-        self.next_start = 0  # starts are issued in their original order
         self.inflight: OrderedDict[fx.Node, int] = OrderedDict()
+        self.next_start = 0  # starts are issued in their original order (1.)
+        # 2. prefetched starts, each issued by the previous use (a trigger node) at the latest
+        self.prefetched: dict[fx.Node, list[fx.Node]] = {}
+        for start in self._prefetch_triggers():
+            self._issue(start)
         self.issue_ready_starts()
+
+    def _is_prefetched(self, start: fx.Node) -> bool:
+        return all(d.op == "placeholder" for d in start.all_input_nodes)
+
+    def _first_use(self, start: fx.Node, index: dict[fx.Node, int]) -> int:
+        """Body position of the first op that needs `start`'s result (through further steps)."""
+        todo, best = [self.wait_of[start]], len(index)
+        while todo:
+            for u in todo.pop().users:
+                if u in index:
+                    best = min(best, index[u])
+                elif u.op != "output":
+                    todo.append(u)
+        return best
+
+    def _prefetch_triggers(self) -> list[fx.Node]:
+        """Fill self.prefetched (trigger node -> starts issued after it); returns the starts
+        whose use is the first one, issued at the program's start."""
+        index = {n: i for i, n in enumerate(self.body)}
+        uses: dict[int, list[fx.Node]] = {}
+        for s in self.starts:
+            if self._is_prefetched(s):
+                uses.setdefault(self._first_use(s, index), []).append(s)
+        positions = sorted(uses)
+        for before, at in zip(positions, positions[1:]):
+            if before < len(self.body):
+                self.prefetched.setdefault(self.body[before], []).extend(uses[at])
+        return uses[positions[0]] if positions else []
 
     def require(self, node: fx.Node) -> None:
         """Emit `node` after everything it needs."""
@@ -78,6 +114,9 @@ class _Order:
         if node in self.waits:
             self.require(self.start_of[node])
         elif node in self.wait_of:
+            if self._is_prefetched(node):  # needed before its turn and its trigger
+                self._issue(node)
+                return
             while self.starts[self.next_start] is not node:  # keep the starts' order
                 self.require(self.starts[self.next_start])
             self._issue(node)
@@ -87,7 +126,8 @@ class _Order:
         self._emit(node)
 
     def issue_ready_starts(self) -> None:
-        """Issue the next starts whose inputs exist, while the cap allows (step 1, 3)."""
+        """Issue the next starts whose inputs exist, while the cap allows (step 1, 4)."""
+        self._skip_issued()
         while self.next_start < len(self.starts):
             start = self.starts[self.next_start]
             if not all(d in self.done for d in start.all_input_nodes):
@@ -100,15 +140,23 @@ class _Order:
         for dep in start.all_input_nodes:
             self.require(dep)
         while self.inflight and sum(self.inflight.values()) + self.bytes[start] > self.cap_bytes:
-            self.require(self.wait_of[next(iter(self.inflight))])  # retire the oldest (step 3)
+            self.require(self.wait_of[next(iter(self.inflight))])  # retire the oldest (step 4)
         self._emit(start)
-        self.next_start += 1
         self.inflight[start] = self.bytes[start]
+        self._skip_issued()
+
+    def _skip_issued(self) -> None:
+        """Move the in-order pointer past starts already issued (prefetched ahead of their turn)."""
+        while self.next_start < len(self.starts) and self.starts[self.next_start] in self.done:
+            self.next_start += 1
 
     def _emit(self, node: fx.Node) -> None:
         self.emitted.append(node)
         self.done.add(node)
         self.inflight.pop(self.start_of.get(node), None)
+        for start in self.prefetched.pop(node, ()):  # 2. the uses after this one prefetch now
+            if start not in self.done:
+                self._issue(start)
 
 
 def _apply(gm: fx.GraphModule, order: list[fx.Node]) -> None:

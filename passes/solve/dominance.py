@@ -128,7 +128,7 @@ def _edge_tables(model: IlpModel, pricer: EdgePricer) -> list[EdgeTable]:
         src, dst = edge_classes(edge, model, pricer)
         u, v = model.owner(model.groups[edge.producer].leader), model.owner(model.groups[edge.consumer.name].leader)
         tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
-                                torch.tensor([[pricer.price_between(o, r, edge.share_s) for r in dst] for o in src],
+                                torch.tensor([[pricer.price_between(o, r, edge.share) for r in dst] for o in src],
                                              dtype=torch.float64))
     return [replace(t, copies=copies[key]) for key, t in tables.items()]
 
@@ -287,4 +287,4 @@ def _edge_s(edge, model: IlpModel, picks: dict[str, int], pricer: EdgePricer) ->
     """R of `edge` under `picks` (less what its bucket hides, as the ILP prices it)."""
     mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
     src = model.graph.node(edge.producer).strategies[mu.index_map[picks[mu.leader]]].outputs[edge.output]
-    return pricer.price_s(src, edge.consumer.strategies[mv.index_map[picks[mv.leader]]], edge.position, edge.share_s)
+    return pricer.price_s(src, edge.consumer.strategies[mv.index_map[picks[mv.leader]]], edge.position, edge.share)

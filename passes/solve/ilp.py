@@ -60,6 +60,7 @@ from typing import Callable, Mapping, Optional
 
 from autopar.core.errors import SolverError
 from autopar.cost_models.edge_prices import INF, DstKey, EdgePricer
+from autopar.cost_models.overlap import NO_SHARE, Share
 from autopar.passes.solve.ilp_terms import MIB, US, LinearTerms, Variable, link_classes, merge_alike
 from autopar.passes.solve.recompute_ilp import BlockTerms, RecomputeVariables, recompute
 from autopar.passes.solve.solver_backend import LinearProgram
@@ -83,13 +84,13 @@ class Edge:
     position: int
     producer: str
     output: int
-    share_s: float = 0.0  # a parameter edge's share of backward its bucket hides under (ilp_overlap.py)
+    share: Share = NO_SHARE  # a parameter edge's shares of the compute its collectives hide under (ilp_overlap.py)
 
     def twin_key(self, rep: Mapping[str, str]) -> tuple[str, int, str, int, float]:
         """Edges with the same key share their x variables (clustering); a twin whose
         bucket hides a different share is priced apart."""
         v, u = self.consumer.name, self.producer
-        return rep.get(v, v), self.position, rep.get(u, u), self.output, self.share_s
+        return rep.get(v, v), self.position, rep.get(u, u), self.output, self.share
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class IlpModel:
 
 def ilp_model(graph: AnnotatedGraph, groups: Mapping[str, Member], pricer: EdgePricer,
               node_cost_s: Mapping[str, list[float]], node_nbytes: Mapping[str, list[int]],
-              rep: Optional[Mapping[str, str]] = None, shares: Optional[Mapping[tuple[str, int], float]] = None
+              rep: Optional[Mapping[str, str]] = None, shares: Optional[Mapping[tuple[str, int], Share]] = None
               ) -> IlpModel:
     """c[g,i] = sum over members n of compute[n, index_map_n(i)]
                + sum over edges (u,v) inside g of R(u's output under i -> v under i);
@@ -132,7 +133,7 @@ def ilp_model(graph: AnnotatedGraph, groups: Mapping[str, Member], pricer: EdgeP
     between: list[Edge] = []
     for v in graph.nodes:
         for pos, (u, k) in enumerate(v.inputs):
-            edge = Edge(v, pos, u, k, shares.get((v.name, pos), 0.0))
+            edge = Edge(v, pos, u, k, shares.get((v.name, pos), NO_SHARE))
             if groups[u].leader != groups[v.name].leader:
                 between.append(edge)
             else:
@@ -149,7 +150,7 @@ def _add_inner_reshard(cost: list[float], edge: Edge, graph: AnnotatedGraph, gro
     for i, (ui, vi) in enumerate(zip(mu.index_map, mv.index_map)):
         if ui >= 0 and vi >= 0:
             src = producer.strategies[ui].outputs[edge.output]
-            cost[i] += pricer.price_s(src, edge.consumer.strategies[vi], edge.position, edge.share_s)
+            cost[i] += pricer.price_s(src, edge.consumer.strategies[vi], edge.position, edge.share)
 
 
 # ---- variables and linear terms ----------------------------------------------------
@@ -230,14 +231,14 @@ def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple
     prices F, for the edges into blocks only) in microseconds, twins sharing one, and
     how many x it created."""
     into_blocks = {model.edges[k].twin_key(model.rep) for b in model.blocks for k in b.edges}
-    built: dict[tuple[str, int, str, int, float], tuple[LinearTerms, LinearTerms]] = {}
+    built: dict[tuple[str, int, str, int, Share], tuple[LinearTerms, LinearTerms]] = {}
     reshard, rerun = [], []
     created = 0
     for edge in model.edges:
         key = edge.twin_key(model.rep)
         if key not in built:
             src, dst = edge_classes(edge, model, pricer)
-            matrix: list[list] = [[pricer.price_between(o, r, edge.share_s) for r in dst]
+            matrix: list[list] = [[pricer.price_between(o, r, edge.share) for r in dst]
                                   for o in src]
             with_forward = forward is not None and key in into_blocks
             if with_forward:

@@ -1,12 +1,15 @@
 """The overlap term of the ILP (passes/solve/ilp.py states it with the rest of the model): the
-share of backward compute under which each parameter edge's gradient bucket hides
-(cost_models/overlap.py), so that the solver minimises the step evaluate() prices.
+shares of compute under which each parameter edge's collectives hide (cost_models/overlap.py),
+so that the solver minimises the step evaluate() prices.
 
     share[e]   for a parameter edge e = (p, v): its bucket's stretch compute C_k (the
                least backward seconds of the stretch's ops, under any strategy: a
                constant of the graph), split over the bucket's parameters by bytes and
-               evenly over p's uses
-    R'[e,o,r]  = R[e,o,r] - min(H[e,o,r], share[e])     H: the reduction the bucket carries
+               evenly over p's uses; and its prefetch window's least forward and
+               backward seconds F, B, split over the parameters used at v by bytes
+    R'[e,o,r]  = R[e,o,r] - min(H[e,o,r], share[e]) - min(Hf[e,o,r], F[e]) - min(Hb[e,o,r], B[e])
+               H: the reduction the bucket carries; Hf, Hb: the first step's two
+               directions where the schedule prefetches it on a GPU preset
 
 R' replaces R on every parameter edge (inside a group too), so the ILP keeps its rows
 and columns: min() of a price and a constant is one more price. Dominance pruning
@@ -18,7 +21,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from autopar.core.kinds import NodeKind
-from autopar.cost_models.overlap import edge_shares, global_nbytes, parameter_uses
+from autopar.cost_models.overlap import Share, edge_share_table, global_nbytes, parameter_uses
 from autopar.passes.strategies.strategies import AnnotatedGraph
 
 
@@ -31,11 +34,17 @@ def least_backward(graph: AnnotatedGraph, compute_s: Mapping[str, Sequence[float
             if n.call is not None else 0.0 for n in graph.nodes]
 
 
-def parameter_shares(graph: AnnotatedGraph, least: Sequence[float]) -> dict[tuple[str, int], float]:
+def least_forward(graph: AnnotatedGraph, forward_s: Mapping[str, Sequence[float]]) -> list[float]:
+    """Per node in graph order, the least forward seconds of its strategies."""
+    return [min(forward_s[n.name], default=0.0) if n.call is not None else 0.0 for n in graph.nodes]
+
+
+def parameter_shares(graph: AnnotatedGraph, least: Sequence[float], least_fwd: Sequence[float]
+                     ) -> dict[tuple[str, int], Share]:
     """(consumer, position) -> share[e] for every parameter edge of a training graph;
-    `least`: least_backward of its nodes."""
+    `least`, `least_fwd`: least_backward and least_forward of its nodes."""
     params = [(n.name, global_nbytes(n.strategies[0].outputs[0].meta)) for n in graph.nodes
               if n.kind is NodeKind.PARAMETER and n.strategies]
     position = {n.name: i for i, n in enumerate(graph.nodes)}
     edges = [(u, v.name, pos) for v in graph.nodes for pos, (u, _) in enumerate(v.inputs)]
-    return edge_shares(params, parameter_uses(params, position, edges), least)
+    return edge_share_table(params, parameter_uses(params, position, edges), least_fwd, least)

@@ -49,7 +49,7 @@ from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks
 from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
 from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
-from autopar.passes.solve.ilp_overlap import least_backward, parameter_shares
+from autopar.passes.solve.ilp_overlap import least_backward, least_forward, parameter_shares
 from autopar.passes.solve.recompute_ilp import block_terms
 from autopar.passes.trace.saved import saved_outputs
 from autopar.core.routed import ROUTED_EXPERTS
@@ -205,9 +205,11 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     budget = options.memory_budget_bytes
     compute = node_costs(graph, costs)
     forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
-    # gradient buckets hide under backward: each parameter edge's share of it (ilp_overlap.py)
+    # gradient buckets hide under backward, prefetched parameter gathers under the compute
+    # between two parameter uses: each parameter edge's shares of them (ilp_overlap.py)
     least = least_backward(graph, compute, forward_s) if costs.training else None
-    shares = parameter_shares(graph, least) if least is not None else {}
+    least_fwd = least_forward(graph, forward_s)
+    shares = parameter_shares(graph, least, least_fwd) if least is not None else {}
     model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep, shares)
     forward = None
     if budget is not None and costs.training:  # recompute can pay: the blocks and their terms
@@ -233,7 +235,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
                           ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks,
                           None if solution.bound is None else solution.bound / US)
     return read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
-                     _recomputed(model, ilp, solution), least)
+                     _recomputed(model, ilp, solution), least, least_fwd)
 
 
 def _recompute_groups(model: IlpModel) -> frozenset[str]:
@@ -305,7 +307,7 @@ def _alternative(n: PlannedNode, alt: Strategy, compute_s: float, chosen: dict[s
 def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
               costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
               compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = (),
-              least: Optional[Sequence[float]] = None) -> Plan:
+              least: Optional[Sequence[float]] = None, least_fwd: Optional[Sequence[float]] = None) -> Plan:
     """`compute`: node_costs(graph, costs), when the caller has it; `recompute`: the
     blocks recomputed in backward (their forward again, their inner bytes not kept);
     `least`: in training, the ILP's least backward per node (ilp_overlap.least_backward),
@@ -349,7 +351,7 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
             comm_total += comm
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
     again = recompute_terms(nodes, edges, recompute, costs)
-    hidden = plan_hidden_s(nodes, edges, costs, least) if least is not None else 0.0
+    hidden = plan_hidden_s(nodes, edges, costs, least, least_fwd or [0.0] * len(nodes)) if least is not None else 0.0
     return Plan(mesh=graph.mesh, model_name=graph.traced.model_name, fingerprint=graph.traced.fingerprint,
                 training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
                 compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
