@@ -48,10 +48,11 @@ def _loss(out) -> torch.Tensor:
 
 
 def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device: str = "cheap", batch: int = 2,
-                         seq: int = 8, style: str = "", **over) -> dict:
+                         seq: int = 8, style: str = "", budget: float = 0.0, **over) -> dict:
     """Loss and every local parameter gradient on this rank, next to the matching block
     of the single-device gradient. `style`: run that hand plan (autopar/hand_plans.py)
-    instead of autopar's."""
+    instead of autopar's; `budget`: plan under this fraction of the unbounded plan's
+    memory per rank (recompute, sharded parameters)."""
     import copy
     m = models.build(model, **over).train()
     ref_model = copy.deepcopy(m)
@@ -66,7 +67,11 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
         # the solver's own plan is; compile's start-up check still has every rank agree
         plan = _planned_on_rank0(lambda: hand_plan(m, args, kwargs, mesh=mesh, style=style, device=dev)) \
             if style else None
-        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=dev, plan=plan)
+        bound = {}
+        if budget:
+            free = autopar.plan(m, args, kwargs, mesh=mesh, device=dev, memory_budget_bytes=None).memory_bytes
+            bound = {"memory_budget_bytes": int(free * budget)}
+        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=dev, plan=plan, **bound)
     loss = _loss(pm(*args, **kwargs))
     loss.backward()
     plan = pm.plan
@@ -76,6 +81,7 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
             "attention": [str(n.outputs[0]) for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"],
             "experts": [str(n.inputs[-1]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
             "routed_rows": [str(n.inputs[0]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
+            "recomputed": [n for b in plan.recompute for n in b.nodes],
             "mesh": plan.mesh.shape, "mesh_candidates": [c.shape for c in plan.mesh_candidates]}
 
 

@@ -44,6 +44,9 @@ CONTEXT_PARALLEL_8 = [dict(model="causal", mesh=(2, 4), style="dp_cp", seq=10),
 # all-to-all with uneven counts (autopar/runtime/experts.py); the (2, 4) cases are data
 # parallel on axis 0 too. DeepSeek-V3 has a dense first layer and a shared expert
 EXPERT_PARALLEL_4 = [dict(model=m, mesh=(4,), style="ep", batch=4) for m in ("mixtral", "qwen3_moe", "deepseek_v3")]
+# the solver's own plan under 80 % of its unbounded memory: the layers are recomputed in
+# backward, all-to-alls included (every rank recomputes them in one order)
+EXPERT_RECOMPUTE = dict(model="qwen3_moe", mesh=(4,), batch=4, num_hidden_layers=4, budget=0.8)
 EXPERT_PARALLEL_8 = [dict(model=m, mesh=(2, 4), style="ep", batch=4) for m in ("mixtral", "qwen3_moe", "deepseek_v3")]
 # the attention layout each style pins
 CONTEXT_LAYOUTS = {"cp": "S(2)", "fsdp_cp": "S(2)", "dp_cp": "S(0)S(2)", "tp_cp": "S(2)S(1)"}
@@ -61,7 +64,7 @@ def four_ranks():
     batch += [(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
     batch += [(cases.gradient_equivalence, kw) for kw in CONTEXT_PARALLEL_4]
     batch += [(cases.gradient_equivalence, dict(model="llama", mesh="auto", batch=4))]
-    batch += [(cases.gradient_equivalence, kw) for kw in EXPERT_PARALLEL_4]
+    batch += [(cases.gradient_equivalence, kw) for kw in EXPERT_PARALLEL_4 + [EXPERT_RECOMPUTE]]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -171,6 +174,13 @@ def test_expert_parallel_matches(four_ranks, eight_ranks, kw):
     # every rank held only its experts' weights and their gradients were its own
     expert_grads = [name for name in per_rank[0]["grads"] if ".experts." in name]
     assert expert_grads and all(per_rank[0]["grads"][n][2] == split for n in expert_grads)
+
+
+def test_recomputed_expert_parallel_layers_match(four_ranks):
+    per_rank = four_ranks[_key(cases.gradient_equivalence, EXPERT_RECOMPUTE)]
+    assert per_rank[0]["experts"] and all(e == "S(0)" for e in per_rank[0]["experts"]), per_rank[0]["experts"]
+    assert any(n.startswith("routed_experts") for n in per_rank[0]["recomputed"]), per_rank[0]["recomputed"]
+    _check_gradients(per_rank)
 
 
 def test_the_mesh_rank_0_chose_trains_like_one_device(four_ranks):
