@@ -94,8 +94,8 @@ class CostModel:
         that split the ids or the experts (an axis that splits both counts once: its rank
         receives every source's rows of its experts), each row through every expert
         weight [E, a, b] as a matmul (2ab FLOPs). Where ids and experts are split on one
-        axis, the rows travel there and back: two all-to-alls of the rows' bytes forward,
-        two backward, and one of the ids and one of the counts."""
+        axis, the rows travel there and back: an all-to-all per row source and one of the
+        results, forward and again backward, and one of the per-expert counts."""
         ids, out, count = inputs[0], outputs[0], _trailing_experts(inputs)
         sources, experts = inputs[1:len(inputs) - count], inputs[len(inputs) - count:]
         routed = set(ids.shard_axes(0)) | set(inputs[-1].shard_axes(0))
@@ -112,11 +112,11 @@ class CostModel:
         for axis in set(ids.shard_axes(0)) & set(inputs[-1].shard_axes(0)):
             n, link = self.mesh_shape[axis], self.link(axis)
             local_rows = prod(self.local(ids).shape)
-            row_bytes = sum(local_rows * prod(s.meta.shape[1:]) * s.meta.dtype.itemsize for s in sources)
-            out_bytes = local_rows * width * dtype.itemsize
-            there_and_back = comm.all_to_all_s(row_bytes, n, link) + comm.all_to_all_s(out_bytes, n, link)
-            comm_s += there_and_back * (2.0 if self.training else 1.0) + comm.all_to_all_s(local_rows * 8, n, link) \
-                + comm.all_to_all_s(8 * n, n, link) + 4 * self.collective_sync_s
+            sent = [local_rows * prod(s.meta.shape[1:]) * s.meta.dtype.itemsize for s in sources]
+            calls = sent + [local_rows * width * dtype.itemsize]  # each source there, the results back
+            there_and_back = sum(comm.all_to_all_s(b, n, link) + self.collective_sync_s for b in calls)
+            counts = comm.all_to_all_s(8 * inputs[-1].meta.shape[0], n, link) + self.collective_sync_s
+            comm_s += there_and_back * (2.0 if self.training else 1.0) + counts
         return Cost(compute_s=compute_s, comm_s=comm_s)
 
     # ---- communication -------------------------------------------------------

@@ -128,7 +128,8 @@ def test_expert_parallelism_is_priced_by_rows_not_weights():
     assert whole.comm_s == rows.comm_s == 0.0 and ep.compute_s <= rows.compute_s < whole.compute_s / 4
     from autopar.cost_models import comm
     link = costs.link(0)
-    rows_bytes, out_bytes = (s // 8) * (h + 1) * 4, (s // 8) * h * 4
-    want = 2 * (comm.all_to_all_s(rows_bytes, 8, link) + comm.all_to_all_s(out_bytes, 8, link)) \
-        + comm.all_to_all_s((s // 8) * 8, 8, link) + comm.all_to_all_s(64, 8, link)
+    # per routed row: its token's h floats and its routing weight there, h floats back
+    rows = s // 8
+    there_and_back = [comm.all_to_all_s(b, 8, link) for b in (rows * h * 4, rows * 4, rows * h * 4)]
+    want = 2 * sum(there_and_back) + comm.all_to_all_s(8 * e, 8, link)  # and the per-expert counts
     assert ep.comm_s == pytest.approx(want)

@@ -2,8 +2,10 @@
 expert and the results sent back (autopar/core/routed.py's op with rows and experts split).
 
     this rank's rows --sort by expert--> [to rank 0 | to rank 1 | ...]
-        1. counts: how many rows go to each rank (all-to-all of n integers)
-        2. dispatch: the rows of every source, their expert ids (all-to-all, uneven splits)
+        1. counts: how many rows go to each expert (all-to-all of E integers), so each
+           rank knows how many rows of each of its experts every source sends
+        2. dispatch: the rows of every source (all-to-all, uneven splits), each source's
+           sorted by expert, so their experts follow from the counts
         3. compute: the received rows of this rank's experts, grouped by expert (the body)
         4. combine: results back to the ranks they came from (all-to-all, splits swapped)
         5. unsort: rows back in this rank's order
@@ -48,15 +50,14 @@ def expert_parallel(comm: AxisComm, ids: torch.Tensor, rows: Sequence[torch.Tens
     experts), each computed by its expert on that expert's rank (module docstring)."""
     n, local = comm.size, experts[0].shape[0]
     perm = torch.argsort(ids, stable=True)
-    sorted_ids = ids[perm]
-    # 1. counts
-    send = torch.histc((sorted_ids // local).float(), bins=n, min=0, max=n - 1).to(torch.int64)
-    recv = _exchange(send, [1] * n, [1] * n, comm)
-    send_splits, recv_splits = send.tolist(), recv.tolist()
+    # 1. counts: per_expert[q, e] rows for expert e of rank q; got[q, e] from rank q for my expert e
+    per_expert = torch.histc(ids.float(), bins=n * local, min=0, max=n * local - 1).to(torch.int64).view(n, local)
+    got_per_expert = _exchange(per_expert.reshape(-1), [local] * n, [local] * n, comm).view(n, local)
+    send_splits, recv_splits = per_expert.sum(1).tolist(), got_per_expert.sum(1).tolist()
     # 2. dispatch
     sent = [src[perm // g] if g != 1 else src[perm] for src, g in zip(rows, row_group)]
     got = [_AllToAll.apply(r, recv_splits, send_splits, comm) for r in sent]
-    got_ids = _exchange(sorted_ids, recv_splits, send_splits, comm) - comm.coord * local
+    got_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(n), got_per_expert.reshape(-1))
     # 3. compute
     y = run_sorted(got_ids, got, experts, [1] * len(got), local, body)
     # 4. combine, 5. unsort
