@@ -64,9 +64,9 @@ NVLink or InfiniBand, nor whether expert parallelism pays on GPUs: a/b mostly we
 against (a)'s all-to-alls of routed rows on this loopback, which a real fabric prices
 very differently. The work is equal (the step-0 and step-1 losses agree), so a/c does
 show what autopar's exchange and rank program cost over hand-written expert
-parallelism at this size: per MoE layer autopar also sends every row's expert id and
-routing weight by all-to-all (the hand version exchanges per-expert counts once and
-weights rows after they return), sorts again, and gathers the fsdp router and norms.
+parallelism at this size: per MoE layer autopar also sends every row's routing weight by
+all-to-all (the hand version weights rows after they return; both exchange
+per-expert counts once), sorts again, and gathers the fsdp router and norms.
 Medians of a few steps on a loaded machine move by some 10% between runs. The cost
 model's predictions use the cpu preset's links and cores, not this contention: read
 them as the plans' ranking, not a forecast of these milliseconds."""
