@@ -3,6 +3,7 @@
     pm = autopar.compile(model, mesh=(2, 4))      # under torchrun, 8 ranks
     plan = autopar.plan(model, args, mesh=(2, 4))  # offline
     autopar.evaluate(plan), autopar.hand_plan(model, args, mesh=(2, 4), style="fsdp")
+    autopar.plan_report(plan, "plan.html")         # the plan as one self-contained HTML page
 
 The public names load lazily (PEP 562 module __getattr__): `import autopar.passes.solve.solve`
 loads the planner and nothing above it (no runtime, no torch.distributed process groups),
@@ -50,6 +51,7 @@ _EXPORTS = {
     "latest_checkpoint": "autopar.api", "CheckpointManifest": "autopar.api", "CheckpointError": "autopar.core.errors",
     "GradientError": "autopar.core.errors", "PipelineMemoryError": "autopar.core.pipeline",
     "AutoparTrainer": "autopar.tools.trainer", "TrainerError": "autopar.core.errors",
+    "plan_report": "autopar.tools.report",
 }
 
 __all__ = sorted(_EXPORTS)

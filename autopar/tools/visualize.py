@@ -5,6 +5,9 @@ backend stays the caller's); networkx lays out the graph.
     tensor_blocks(plan, names)      which block of each tensor every device of the mesh holds
     graph_figure(plan)              the op graph coloured by output placement, collectives in red
     cost_figure(plan)               per-layer compute vs communication; per-rank memory breakdown
+
+Every placement has the colour autopar/tools/palette.py gives it, the one the HTML report
+(autopar/tools/report.py) uses too, so a placement looks the same in every picture.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import networkx as nx
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Partial, Shard, Spec
 from autopar.core.plan import Plan
+from autopar.tools.palette import COMMUNICATION, COMPUTE, MEMORY_COLOURS, placement_colour
 
 
 def _plt():
@@ -86,7 +90,7 @@ def tensor_blocks(plan: Plan, names: Optional[Sequence[str]] = None):
             r0, r1, c0, c1 = _block(spec, mesh.shape, coords)
             ax.add_patch(Rectangle((0, 0), 1, 1, fill=False, lw=0.8))
             partial = any(isinstance(p, Partial) for p in spec.placements)
-            ax.add_patch(Rectangle((c0, 1 - r1), c1 - c0, r1 - r0, color="tab:blue", alpha=0.65,
+            ax.add_patch(Rectangle((c0, 1 - r1), c1 - c0, r1 - r0, color=placement_colour(str(spec)), alpha=0.8,
                                    hatch="//" if partial else None))
             ax.set_xlim(0, 1)
             ax.set_ylim(0, 1)
@@ -120,16 +124,15 @@ def graph_figure(plan: Plan, max_nodes: int = 400):
     pos = nx.multipartite_layout(g, subset_key="layer", align="horizontal")
     pos = {k: (x, -y) for k, (x, y) in pos.items()}  # inputs on top
     labels = sorted({d["placement"] for _, d in g.nodes(data=True)})
-    cmap = plt.get_cmap("tab20")
-    colour = {p: cmap(i % 20) for i, p in enumerate(labels)}
+    colour = {p: placement_colour(p) for p in labels}
     fig, ax = plt.subplots(figsize=(11, 8))
     nx.draw_networkx_edges(g, pos, ax=ax, alpha=0.25, arrows=False, width=0.6)
-    nx.draw_networkx_edges(g, pos, edgelist=comm_edges, ax=ax, edge_color="red", width=2.0, arrows=False)
+    nx.draw_networkx_edges(g, pos, edgelist=comm_edges, ax=ax, edge_color=COMMUNICATION, width=2.0, arrows=False)
     nx.draw_networkx_nodes(g, pos, ax=ax, node_size=28,
                            node_color=[colour[g.nodes[n]["placement"]] for n in g.nodes])
     for p in labels[:20]:
         ax.scatter([], [], color=colour[p], label=p, s=20)
-    ax.plot([], [], color="red", lw=2, label="collective")
+    ax.plot([], [], color=COMMUNICATION, lw=2, label="collective")
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="output placement", title_fontsize=7)
     ax.set_title(f"{plan.model_name} on mesh {mesh_label(plan)}: {len(comm_edges)} edges with collectives",
                  fontsize=9)
@@ -158,8 +161,9 @@ def cost_figure(plan: Plan):
     names = list(layers)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
     x = range(len(names))
-    ax1.bar([i - 0.2 for i in x], [layers[k][0] * 1e3 for k in names], width=0.4, label="compute")
-    ax1.bar([i + 0.2 for i in x], [layers[k][1] * 1e3 for k in names], width=0.4, label="communication")
+    ax1.bar([i - 0.2 for i in x], [layers[k][0] * 1e3 for k in names], width=0.4, label="compute", color=COMPUTE)
+    ax1.bar([i + 0.2 for i in x], [layers[k][1] * 1e3 for k in names], width=0.4, label="communication",
+            color=COMMUNICATION)
     ax1.set_xticks(list(x))
     ax1.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
     ax1.set_ylabel("predicted ms per step, per rank")
@@ -169,7 +173,7 @@ def cost_figure(plan: Plan):
     bottom = [0.0] * plan.mesh.size
     for kind, nbytes in mem.items():
         vals = [nbytes / 2**20] * plan.mesh.size
-        ax2.bar(range(plan.mesh.size), vals, bottom=bottom, label=kind)
+        ax2.bar(range(plan.mesh.size), vals, bottom=bottom, label=kind, color=MEMORY_COLOURS[kind])
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax2.set_xlabel("rank")
     ax2.set_ylabel("MiB")
