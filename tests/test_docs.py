@@ -8,7 +8,9 @@ A comment on the line before a block says how it runs:
                                 a fresh namespace and folder (the fast set: offline plans
                                 of tiny or meta-device models, a few seconds each)
     <!-- run: slow -->          the same, in the slow set (an offline plan of many seconds)
-    <!-- run: torchrun 2 -->    as a script under `python -m autopar run --nproc 2` (slow set)
+    <!-- run: torchrun 2 -->    under `python -m autopar run --nproc 2`, all such blocks in one job
+                                (one torchrun start-up), each in a fresh namespace and folder
+                                (slow set)
     <!-- run: shell -->         a ```bash block, under `bash -e` in a fresh folder (slow set)
     <!-- run: skip: REASON -->  not run: its test is skipped with REASON (a GPU, a 70B model)
 
@@ -125,15 +127,46 @@ def test_slow_blocks(tmp_path):
     _run_in_one_process(chosen, tmp_path)
 
 
-@pytest.mark.slow  # a torchrun job of 2 ranks each
-@pytest.mark.parametrize("block", [b for b in ALL if b.kind == "torchrun 2"], ids=lambda b: b.where)
-def test_torchrun_block(block, tmp_path):
-    script = tmp_path / "block.py"
-    script.write_text(block.code)
-    for attempt in range(2 if "resume(" in block.code else 1):  # a resuming block runs twice: the second resumes
-        done = subprocess.run([sys.executable, "-m", "autopar", "run", "--nproc", "2", str(script)], cwd=tmp_path,
-                              env=_env(), capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{block.where} (run {attempt + 1}):\n{done.stdout[-3000:]}\n{done.stderr[-4000:]}"
+# every rank runs the blocks in one order, each in its folder (the same on every rank);
+# a failing block ends the job at once (its peers would wait in a collective), naming it
+TORCHRUN_RUNNER = r"""
+import json, os, sys, time, traceback
+import torch.distributed as dist
+for i, (where, code, runs) in enumerate(json.load(open(sys.argv[1]))):
+    folder = os.path.join(sys.argv[2], f"block{i}")
+    os.makedirs(folder, exist_ok=True)
+    os.chdir(folder)
+    for run in range(runs):
+        t0 = time.perf_counter()
+        try:
+            exec(compile(code, where, "exec"), {"__name__": "__main__"})
+        except BaseException:
+            print(f"FAILED {where} (run {run + 1}) on rank {os.environ['RANK']}:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        if dist.is_initialized():
+            dist.barrier()
+        with open(os.path.join(sys.argv[2], f"ran-{os.environ['RANK']}.txt"), "a") as ran:
+            ran.write(f"{where} (run {run + 1}): {time.perf_counter() - t0:.1f} s\n")
+"""
+
+
+@pytest.mark.slow  # one torchrun job of 2 ranks
+def test_torchrun_blocks(tmp_path):
+    chosen = [b for b in ALL if b.kind == "torchrun 2"]
+    # a resuming block runs twice: the second run resumes
+    listing = tmp_path / "blocks.json"
+    listing.write_text(json.dumps([(b.where, b.code, 2 if "resume(" in b.code else 1) for b in chosen]))
+    runner = tmp_path / "runner.py"
+    runner.write_text(TORCHRUN_RUNNER)
+    done = subprocess.run([sys.executable, "-m", "autopar", "run", "--nproc", "2", str(runner), str(listing),
+                           str(tmp_path)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    runs = sum(2 if "resume(" in b.code else 1 for b in chosen)
+    for rank in (0, 1):  # every block ran on both ranks
+        ran = (tmp_path / f"ran-{rank}.txt").read_text().splitlines()
+        print(f"rank {rank}:", *ran, sep="\n  ")
+        assert len(ran) == runs, ran
 
 
 @pytest.mark.slow  # CLI subprocesses, each planning

@@ -4,6 +4,7 @@ lockstep simulator; real gloo ranks are in test_equivalence.py (test_expert_para
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -25,6 +26,7 @@ aten = torch.ops.aten
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 
+@functools.lru_cache(maxsize=None)  # one trace per family for the module (the tests only read it)
 def _traced(family: str, batch: int = 4):
     m = models.build(family).train()
     args, kwargs = models.inputs(family, batch, 8)
@@ -67,7 +69,7 @@ def test_a_sort_that_is_not_routing_stays_and_says_why():
 
 
 def test_collapsing_twice_finds_nothing_more():
-    _, _, _, traced = _traced("mixtral")
+    traced = trace_for_planning(*_traced("mixtral")[:3])
     assert collapse_routed_experts(traced.gm) == 0
 
 
@@ -85,7 +87,9 @@ def _check(family, mesh, plan, m, args, kwargs, traced):
     assert simulate_against(m, args, kwargs, traced, plan, ref, context=f"{family} {mesh}") > 0
 
 
-@pytest.mark.parametrize("family", MOE)
+# DeepSeek-V3 here (a dense first layer, a shared expert); all three on gloo ranks in
+# test_equivalence.py
+@pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_the_solver_sends_rows_to_their_experts_when_links_are_cheap(family):
     m, args, kwargs, traced = _traced(family)
     with warnings.catch_warnings():
