@@ -87,22 +87,20 @@ def least_forward_s(nodes: Sequence[NodeChoice], costs: CostModel) -> list[float
     """Per node, the least forward seconds among the strategies it could take: the
     compute a prefetched parameter gather surely hides under (cost_models/overlap.py)."""
     forward = replace(costs, training=False)
-    out = []
-    for n in nodes:
-        if not n.kind.computes:
-            out.append(0.0)
-            continue
-        target = op_target(n.op, n.name)
-        layouts = [(a.inputs, a.outputs) for a in n.options] or [(n.inputs, n.outputs)]
-        out.append(min(forward.op_cost(target, i, o).total_s for i, o in layouts))
-    return out
+    return _least_over_options(nodes, lambda target, i, o: forward.op_cost(target, i, o).total_s)
 
 
 def least_backward_s(nodes: Sequence[NodeChoice], costs: CostModel) -> list[float]:
-    """Per node, the least backward seconds among the strategies it could take (its
-    options; the chosen one where a plan lists none): the compute a gradient bucket
-    surely hides under (cost_models/overlap.py, 1.)."""
+    """Per node, the least backward seconds among the strategies it could take: the
+    compute a gradient bucket surely hides under (cost_models/overlap.py, 1.)."""
     forward = replace(costs, training=False)
+    return _least_over_options(nodes, lambda target, i, o: costs.op_cost(target, i, o).total_s
+                               - forward.op_cost(target, i, o).total_s)
+
+
+def _least_over_options(nodes: Sequence[NodeChoice], seconds: Any) -> list[float]:
+    """Per node, the least `seconds(target, inputs, outputs)` over its options (the chosen
+    layout where a plan lists none); 0 for nodes that compute nothing."""
     out = []
     for n in nodes:
         if not n.kind.computes:
@@ -110,8 +108,7 @@ def least_backward_s(nodes: Sequence[NodeChoice], costs: CostModel) -> list[floa
             continue
         target = op_target(n.op, n.name)
         layouts = [(a.inputs, a.outputs) for a in n.options] or [(n.inputs, n.outputs)]
-        out.append(min(costs.op_cost(target, i, o).total_s - forward.op_cost(target, i, o).total_s
-                       for i, o in layouts))
+        out.append(min(seconds(target, i, o) for i, o in layouts))
     return out
 
 
