@@ -5,8 +5,8 @@ every ```bash block marked `shell` (the others are install commands CI runs itse
 A comment on the line before a block says how it runs:
 
     (none)                      with the other plain blocks in one subprocess, each block in
-                                a fresh namespace and folder (the fast set: offline plans
-                                of tiny or meta-device models, a few seconds each)
+                                a fresh namespace and folder (offline plans of tiny or
+                                meta-device models, a few seconds each; slow set)
     <!-- run: slow -->          the same, in the slow set (an offline plan of many seconds)
     <!-- run: torchrun 2 -->    under `python -m autopar run --nproc 2`, all such blocks in one job
                                 (one torchrun start-up), each in a fresh namespace and folder
@@ -115,6 +115,7 @@ def test_every_block_has_a_known_marker():
     assert any(b.kind == "fast" for b in ALL)
 
 
+@pytest.mark.slow  # 25 s of offline plans: the quick set checks markers, links and api.md
 def test_fast_blocks(tmp_path):
     _run_in_one_process([b for b in ALL if b.kind == "fast"], tmp_path)
 

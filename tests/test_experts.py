@@ -37,6 +37,7 @@ def _routed(traced) -> list:
     return [n for n in traced.gm.graph.nodes if n.target is ROUTED_EXPERTS]
 
 
+@pytest.mark.slow  # three traces (the fast set keeps one: test_experts_split_on_one_axis_at_a_time)
 @pytest.mark.parametrize("family", MOE)
 def test_each_moe_layer_routes_through_one_op(family):
     m, _, _, traced = _traced(family)
@@ -68,6 +69,7 @@ def test_a_sort_that_is_not_routing_stays_and_says_why():
     assert "not expert-parallel: node sort" in plan.summary()
 
 
+@pytest.mark.slow  # a second trace
 def test_collapsing_twice_finds_nothing_more():
     traced = trace_for_planning(*_traced("mixtral")[:3])
     assert collapse_routed_experts(traced.gm) == 0
@@ -100,6 +102,7 @@ def test_the_solver_sends_rows_to_their_experts_when_links_are_cheap(family):
     _check(family, (4,), plan, m, args, kwargs, traced)
 
 
+@pytest.mark.slow  # a simulated training step
 def test_experts_split_with_rows_whole_sum_partial_outputs():
     m, args, kwargs, traced = _traced("qwen3_moe")
     node = _routed(traced)[0]

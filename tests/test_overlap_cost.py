@@ -195,6 +195,7 @@ def test_the_cpu_preset_credits_no_prefetch():
     assert _fsdp_mlp_plan("cpu").hidden_s == 0.0
 
 
+@pytest.mark.slow  # a trace, a pinned solve and an emitted program of a 2-layer Llama
 def test_the_schedule_prefetches_each_gather_by_the_previous_use():
     # FSDP with the sequence split (fsdp_cp) on (4,): keys and values are gathered between
     # the parameter uses, yet every parameter's first collective is issued no later than
