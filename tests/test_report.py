@@ -176,7 +176,7 @@ def test_a_report_replaces_the_old_file_whole(plan, tmp_path):
 
 
 def _png_colours(path) -> set[tuple[int, ...]]:
-    from PIL import Image  # matplotlib's own dependency, in the [dev] extra
+    from PIL import Image  # pillow, in the [dev] extra
     with Image.open(path) as im:
         return {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 20)}
 
