@@ -82,7 +82,7 @@ def collapse_routed_experts(gm: fx.GraphModule) -> int:
         _collapse(gm, routing)
         found += 1
     if found:
-        gm.graph.eliminate_dead_code()
+        gm.graph.eliminate_dead_code()  # 4. the replaced ops
         gm.graph.lint()
         gm.recompile()
     moe = any(n.op == "call_function" and (_grouped_mm(n) or n.target is aten.histc.default) for n in gm.graph.nodes)
@@ -261,16 +261,15 @@ def _collapse(gm: fx.GraphModule, r: _Routing) -> None:
     body.output(env[r.exit.args[0]])
     name = register_body(fx.GraphModule(torch.nn.Module(), body, class_name="RoutedExpertsBody"))
     graph = gm.graph
+    args = (r.ids, [src for _, src, _ in r.gathers], list(r.experts), [group for _, _, group in r.gathers],
+            r.num_experts, name)
     with graph.inserting_before(r.exit):
-        node = graph.create_node("call_function", ROUTED_EXPERTS, (r.ids, [src for _, src, _ in r.gathers], list(r.experts),
-                                                    [group for _, _, group in r.gathers], r.num_experts, name), name="routed_experts")
+        node = graph.create_node("call_function", ROUTED_EXPERTS, args, name="routed_experts")
     node.meta.update({k: r.exit.meta[k] for k in ("val", "stack_trace", "nn_module_stack") if k in r.exit.meta})
     r.exit.replace_all_uses_with(node)
-    doomed = (r.exit,) + tuple(reversed(r.region)) + tuple(g for g, _, _ in r.gathers) + (r.offsets,) + \
-        tuple(reversed(r.dead))
-    for n in doomed:
+    # the assertions torch.export kept on the replaced values would keep them alive
+    # (an assertion has an effect); the values themselves go with dead-code elimination
+    replaced = (r.exit,) + r.region + tuple(g for g, _, _ in r.gathers) + (r.offsets,) + r.dead
+    for n in replaced:
         for u in [u for u in n.users if u.target in _ASSERTS]:
             graph.erase_node(u)
-    for n in doomed:
-        if n.graph is graph and not n.users:
-            graph.erase_node(n)
