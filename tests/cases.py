@@ -548,16 +548,20 @@ def trace_forms(rank: int, world: int, mesh: tuple) -> dict:
     return out
 
 
-def inputs_differ_later(rank: int, world: int, call: int = 3, timeout_s: float = 120.0) -> dict:
+def inputs_differ_later(rank: int, world: int, call: int = 3, timeout_s: float = 120.0,
+                        both_planned: bool = False) -> dict:
     """Every rank passes the same inputs until call `call`, where rank 1 passes a shorter
     batch (an uneven last batch): every rank must raise InputMismatchError at once, not
-    wait out the collective timeout. Then the same call with the same inputs runs."""
+    wait out the collective timeout. Then the same call with the same inputs runs.
+    `both_planned`: the first call passes the shorter batch on every rank, so at the
+    mismatched call every rank holds a program for its inputs (each launches the
+    agreement and settles it at its program's first collective)."""
     import time
     m = models.build("mlp")
     pm = autopar.compile(m, mesh=(world,), device=CHEAP_COMM, collective_timeout_s=timeout_s)
     full = torch.randn(4, 16)
-    for _ in range(call - 1):
-        pm(full).sum().backward()
+    for i in range(call - 1):
+        pm(full[:3] if both_planned and i == 0 else full).sum().backward()
     t0 = time.monotonic()
     try:
         pm(full[:3] if rank == 1 else full)

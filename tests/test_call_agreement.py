@@ -3,14 +3,16 @@ once on every rank, naming each rank's shapes, instead of hanging in a collectiv
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests import cases
 from tests.harness import run_ranks
 
 
-def test_ranks_passing_other_shapes_at_the_third_call_raise_on_every_rank_within_seconds():
-    results = run_ranks(2, [(cases.inputs_differ_later, dict(call=3))])
+@pytest.mark.parametrize("both_planned", [False, True], ids=["one-rank-plans", "both-hold-programs"])
+def test_ranks_passing_other_shapes_at_the_third_call_raise_on_every_rank_within_seconds(both_planned):
+    results = run_ranks(2, [(cases.inputs_differ_later, dict(call=3, both_planned=both_planned))])
     for rank, (res,) in enumerate(results):
         assert res["caught"] is not None, f"rank {rank} ran the mismatched call"
         kind, message = res["caught"]
@@ -23,4 +25,4 @@ def test_ranks_passing_other_shapes_at_the_third_call_raise_on_every_rank_within
         # the group stays usable: the next call with the same inputs runs and matches
         parallel, reference = res["after"]
         torch.testing.assert_close(parallel, reference)
-        assert res["plans"] == 1  # the refused call planned nothing
+        assert res["plans"] == (2 if both_planned else 1)  # the refused call planned nothing

@@ -8,6 +8,7 @@ never graph objects, so it can be saved and checked against a model by fingerpri
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
@@ -65,10 +66,15 @@ class Plan:
         return self.compute_s + self.comm_s - self.hidden_s
 
     def node(self, name: str) -> NodeChoice:
-        for n in self.nodes:
-            if n.name == name:
-                return n
+        found = self._node_by_name.get(name)
+        if found is not None:
+            return found
         raise KeyError(f"plan has no node {name!r}; nodes are named as in the traced graph (e.g. 'linear_3')")
+
+    @functools.cached_property
+    def _node_by_name(self) -> dict[str, NodeChoice]:
+        # the rank program reads its output node's choice on every call
+        return {n.name: n for n in self.nodes}
 
     def placements(self) -> dict[str, str]:
         """Node name -> placement string of its (first) output, e.g. {'linear': 'S(0)R'}."""
