@@ -3,6 +3,7 @@ by it, else on as many spawned processes as the mesh has devices."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 from datetime import timedelta
@@ -32,6 +33,7 @@ def run_then_leave(run: Callable, args: Any) -> None:
     restarts a run that had finished. So a run that ended well meets at a barrier before
     destroying its group; one that failed leaves at once (its peers time out or are
     stopped by the agent)."""
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints where each thread was
     finished = False
     try:
         run(dist.get_rank(), dist.get_world_size(), args)

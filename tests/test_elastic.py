@@ -27,6 +27,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -334,6 +335,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _failure_excerpt(log: str) -> str:
+    """A failed launch's log as an assertion message: each rank's fatal-signal dump (the
+    example's ranks enable faulthandler) in full, then the log's tail."""
+    dumps = [log[m.start(): m.start() + 6000] for m in re.finditer("Fatal Python error", log)]
+    return "\n".join(dumps + ["--- tail ---", log[-4000:]])
+
+
 def _one_device_weights() -> dict:
     """The example's 16 steps on the plain model in this process: the reference."""
     spec = importlib.util.spec_from_file_location("train_elastic", EXAMPLE)
@@ -382,7 +390,7 @@ def test_a_lost_node_shrinks_the_job_and_a_later_launch_grows_it_back(tmp_path):
                   "the survivors' steps", [node0])
         _kill_tree(node0)
         regrown = _agent(run_dir, 4, logs[2], "--standalone")
-        assert regrown.wait(timeout=300) == 0, (tmp_path / "agent2.log").read_text()[-4000:]
+        assert regrown.wait(timeout=300) == 0, _failure_excerpt((tmp_path / "agent2.log").read_text())
     finally:
         for log in logs:
             log.close()
