@@ -169,7 +169,7 @@ def main() -> None:
             try:
                 for side, mine, plain in one_rank(model, kwargs, args.steps):
                     ratios.append(mine / plain)
-                    print(f"one rank, NCCL, {side:<32} autopar {mine * 1e3:8.2f} ms  plain {plain * 1e3:8.2f} ms  "
+                    print(f"one rank, {backend.upper()}, {side:<32} autopar {mine * 1e3:8.2f} ms  plain {plain * 1e3:8.2f} ms  "
                           f"ratio {mine / plain:.2f}", flush=True)
             finally:
                 dist.destroy_process_group()
