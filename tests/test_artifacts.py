@@ -3,6 +3,7 @@ plan files driving real gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -129,34 +130,48 @@ def _cli(*argv):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
 
 
-@pytest.mark.slow  # CLI subprocesses
+def _cli_here(*argv) -> subprocess.CompletedProcess:
+    """The command line's main() in this process (what `python -m autopar` calls; the
+    docs' shell block and the closed-pipe test run the real entry point), without an
+    interpreter and torch import per command."""
+    from autopar.tools.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's refusals
+            code = e.code
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.slow  # seven commands, three of them plan
 def test_cli_plan_show_diff_code(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    r = _cli("plan", "gpt2-tiny", "--mesh", "2,2", "--out", str(a))
+    r = _cli_here("plan", "gpt2-tiny", "--mesh", "2,2", "--out", str(a))
     assert r.returncode == 0, r.stderr
     assert "Plan for GPT2LMHeadModel" in r.stdout and a.exists()
-    assert _cli("plan", "gpt2-tiny", "--mesh", "2,2", "--out", str(b), "--device", "h100").returncode == 0
-    r = _cli("show", str(a), "--nodes", "--all")
+    assert _cli_here("plan", "gpt2-tiny", "--mesh", "2,2", "--out", str(b), "--device", "h100").returncode == 0
+    r = _cli_here("show", str(a), "--nodes", "--all")
     assert r.returncode == 0 and "collectives by module" in r.stdout and "lm_head" in r.stdout, r.stdout
     assert "every collective (forward order)" in r.stdout
-    r = _cli("explain", str(a), "addmm")
+    r = _cli_here("explain", str(a), "addmm")
     assert r.returncode == 0 and "addmm (aten.addmm.default, in transformer.h.0.attn.c_attn)" in r.stdout, r.stdout
-    r = _cli("explain", str(a), "no_such_node")
+    r = _cli_here("explain", str(a), "no_such_node")
     assert r.returncode == 1 and "has no node 'no_such_node'" in r.stderr and "ops: " in r.stderr, r.stderr
-    r = _cli("visualize", str(a), "--out", str(tmp_path / "pictures"))
+    r = _cli_here("visualize", str(a), "--out", str(tmp_path / "pictures"))
     assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
         "plan_costs.png", "plan_graph.png", "plan_tensors.png"], r.stderr
-    r = _cli("diff", str(a), str(b))
+    r = _cli_here("diff", str(a), str(b))
     assert r.returncode == 0 and "nodes differ" in r.stdout
-    r = _cli("code", "gpt2-tiny", "--mesh", "2,2", "--rank", "3", "--plan", str(a))
+    r = _cli_here("code", "gpt2-tiny", "--mesh", "2,2", "--rank", "3", "--plan", str(a))
     assert r.returncode == 0 and "def forward" in r.stdout and "rank 3 at mesh coordinates (1, 1)" in r.stdout
 
 
-@pytest.mark.slow  # CLI subprocesses
+@pytest.mark.slow  # traces two zoo models
 def test_cli_coverage_reports_rule_sources():
     # Mixtral's routing (sort by expert, histc counts, grouped expert matmuls, unsort) is
     # one routed_experts op per layer (passes/trace/experts.py), with a hand rule
-    r = _cli("coverage", "gpt2-tiny", "mixtral-tiny", "--mesh", "2,2", "--ops")
+    r = _cli_here("coverage", "gpt2-tiny", "mixtral-tiny", "--mesh", "2,2", "--ops")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     gpt2 = next(line for line in lines if line.startswith("gpt2-tiny")).split()
