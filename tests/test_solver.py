@@ -303,3 +303,21 @@ def test_only_inputs_as_long_as_the_sequence_are_split_by_it():
     ids, mask, feats = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 1, 8, 8), torch.randn(2, 16)
     pins = input_pins(trace(WithMask(), (ids, mask, feats)), (4,), (), (0,), "cp")
     assert pins == {0: (Shard(1),), 1: (R,), 2: (R,)}
+
+
+def test_dominance_reads_exact_differences_where_the_cheap_bound_leaves_a_chance():
+    """The pairwise worst differences equal the full table's entries, and the cheap
+    bound (difference of the rows' least prices) never exceeds them."""
+    from autopar.cost_models.edge_prices import INF
+    from autopar.passes.solve.dominance import _least_difference, _pair_worst_difference, _worst_difference
+    g = torch.Generator().manual_seed(0)
+    b = torch.rand(23, 7, generator=g, dtype=torch.float64)
+    b[b > 0.8] = INF  # columns a choice cannot meet
+    b[3] = INF  # a choice that meets none
+    full = _worst_difference(b)
+    j, i = torch.meshgrid(torch.arange(23), torch.arange(23), indexing="ij")
+    assert torch.equal(_pair_worst_difference(b, j.flatten(), i.flatten()), full.flatten())
+    bound = _least_difference(b)
+    finite = torch.isfinite(full)
+    assert bool((bound[finite] <= full[finite]).all())
+    assert bool((bound[full == -INF] == -INF).all())

@@ -177,20 +177,27 @@ def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
         return []
     blocks = _blocks(g, edges, alive)
     c = time_s[live]
-    gain = c[:, None] - c[None, :]  # [j, i]
+    own = c[:, None] - c[None, :]  # [j, i]
     potential = c + sum((k * b.mean(1) for b, k in blocks), torch.zeros(n, dtype=torch.float64))
-    for b, k in blocks:
-        gain += k * _worst_difference(b)
     index = torch.arange(n)
-    first = (potential[:, None] < potential[None, :]) | (
+    maybe = (potential[:, None] < potential[None, :]) | (
         (potential[:, None] == potential[None, :]) & (index[:, None] < index[None, :]))
-    beats = (gain <= 0) & first
     if nbytes is not None:
         m = nbytes[live]
-        beats &= m[:, None] <= m[None, :]
+        maybe &= m[:, None] <= m[None, :]
     if extra is not None:
-        beats &= extra.no_worse(g, live, nbytes, alive)
-    return live[beats.any(0)].tolist()
+        maybe &= extra.no_worse(g, live, nbytes, alive)
+    # D(j, i) is at least own + sum k (min_r b[j, r] - min_r b[i, r]) (i's cheapest column
+    # costs j no less than j's cheapest): the exact D is computed only where that bound
+    # leaves j a chance, with the same additions in the same order
+    bound = own.clone()
+    for b, k in blocks:
+        bound += k * _least_difference(b)
+    j, i = (maybe & (bound <= 0)).nonzero(as_tuple=True)
+    gain = own[j, i]
+    for b, k in blocks:
+        gain += k * _pair_worst_difference(b, j, i)
+    return live[i[gain <= 0].unique()].tolist()
 
 
 @dataclass(frozen=True)
@@ -234,6 +241,24 @@ def _recompute_terms(model: IlpModel, pricer: EdgePricer, forward: EdgePricer) -
             tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
                                     torch.tensor(forward_prices(edge, model, src, dst, forward), dtype=torch.float64))
     return RecomputeTerms(forward_s, dropped, _by_group(list(tables.values())))
+
+
+def _least_difference(b: torch.Tensor) -> torch.Tensor:
+    """[j, i] -> min_r b[j, r] - min_r b[i, r], a lower bound of _worst_difference; -INF
+    where i meets no column (as the worst difference is there)."""
+    lowest = b.min(1).values
+    out = lowest[:, None] - lowest[None, :]
+    return torch.where(lowest[None, :] == INF, -INF, out)
+
+
+def _pair_worst_difference(b: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """_worst_difference(b)[j[p], i[p]] for each pair p."""
+    out = torch.empty(len(j), dtype=torch.float64)
+    step = max(1, MAX_CELLS // max(1, b.shape[1]))
+    for lo in range(0, len(j), step):
+        bj, bi = b[j[lo:lo + step]], b[i[lo:lo + step]]
+        out[lo:lo + step] = torch.where(bi < INF, bj - bi, -INF).max(-1).values
+    return out
 
 
 def _worst_difference(b: torch.Tensor) -> torch.Tensor:
