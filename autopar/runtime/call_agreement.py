@@ -9,9 +9,7 @@ Ranks that pass different shapes at some call would otherwise run different prog
 wait in each other's collectives until the group's timeout. The first call's
 signature is compared in full by the trace shipping (runtime/shipping.py); a later one
 only here. The common case costs one all-gather of one int64 per call; the mismatch
-case a second, of the descriptions, so that every rank names every rank's inputs. Where
-the rank already holds the call's program, the all-gather is only launched before the
-program runs and settled before its first collective (PendingAgreement).
+case a second, of the descriptions, so that every rank names every rank's inputs.
 """
 
 from __future__ import annotations
@@ -49,40 +47,20 @@ def agree_on_call(signature: CallSignature, call: int, group: Any = None) -> Non
     """Return when every rank of `group` (a gloo group; None: the world) passes
     `signature` at its call number `call`; else raise InputMismatchError on every rank,
     naming each rank's."""
-    PendingAgreement(signature, call, group).settle()
-
-
-class PendingAgreement:
-    """A call's agreement in flight: its all-gather launched, its answer read by `settle`.
-    A rank that already holds the call's program launches it, runs the program's local
-    work, and settles before the program's first collective (ProcessGroupRunner's gate):
-    the gather then travels while the rank computes instead of adding one more meeting of
-    all ranks to the step. Ranks that disagree still meet nowhere but here: no rank
-    launches another collective before it has settled."""
-
-    def __init__(self, signature: CallSignature, call: int, group: Any) -> None:
-        self.signature, self.call, self.group = signature, call, group
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.mine = torch.tensor([signature.digest()], dtype=torch.int64)
-        self.seen = [torch.empty_like(self.mine) for _ in range(world)]
-        self.work = dist.all_gather(self.seen, self.mine, group=group, async_op=True) if world > 1 else None
-
-    def settle(self) -> None:
-        """Wait for the gather (once) and raise InputMismatchError on every rank if any
-        rank's signature differs."""
-        if self.work is None:
-            return
-        work, self.work = self.work, None
-        work.wait()
-        if all(int(t) == int(self.mine) for t in self.seen):
-            return
-        world = len(self.seen)
-        described: list = [None] * world
-        dist.all_gather_object(described, describe(self.signature), group=self.group)
-        lines = [f"rank {r}: {d}" for r, d in enumerate(described)]
-        raise InputMismatchError(f"the ranks passed different inputs at call {self.call} "
-                                 f"(this is rank {dist.get_rank(self.group)}):\n  " + "\n  ".join(lines)
-                                 + f"\n{UNEVEN_BATCH_HINT}")
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return
+    mine = torch.tensor([signature.digest()], dtype=torch.int64)
+    seen = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(seen, mine, group=group)
+    if all(int(t) == int(mine) for t in seen):
+        return
+    described: list = [None] * world
+    dist.all_gather_object(described, describe(signature), group=group)
+    lines = [f"rank {r}: {d}" for r, d in enumerate(described)]
+    raise InputMismatchError(f"the ranks passed different inputs at call {call} "
+                             f"(this is rank {dist.get_rank(group)}):\n  " + "\n  ".join(lines)
+                             + f"\n{UNEVEN_BATCH_HINT}")
 
 
 def describe(signature: CallSignature) -> str:

@@ -32,7 +32,7 @@ from torch import nn
 
 from autopar import _compat
 from autopar.core.dynamic import Dynamic
-from autopar.core.errors import InputMismatchError
+from autopar.core.errors import InputMismatchError, MeshError
 from autopar.core.kinds import NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.options import CostSource, Options
@@ -49,9 +49,8 @@ from autopar.passes.lower.program import bind
 from autopar.passes.strategies.strategies import AnnotatedGraph
 from autopar.passes.trace.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
-from autopar.runtime.call_agreement import CallSignature, PendingAgreement
-from autopar.runtime.devices import check_devices, model_device
-from autopar.runtime.step_runner import ProcessGroupRunner, step_runner
+from autopar.runtime.call_agreement import CallSignature, agree_on_call
+from autopar.runtime.step_runner import step_runner
 from autopar.runtime.compiling import compiled_program
 from autopar.passes.plan.dynamic_plans import PlannedSignature
 from autopar.runtime.programs import ProgramCache
@@ -76,8 +75,6 @@ class Compiled:
     program: RankProgram
     buckets: GradBuckets  # this program's data-parallel gradient all-reduces
     run: Callable[..., Any]  # the program itself, or the program under torch.compile
-    runner: ProcessGroupRunner  # what the program's reshard steps run on
-    gated: bool  # a call's agreement may be settled at the program's first collective (eager programs)
 
 
 class ParallelModule(ShardedStateMethods, nn.Module):
@@ -98,7 +95,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         super().__init__()
         self.mesh, self.options, self.stages = mesh, options, stages
         self.__dict__["loss_fn"] = loss_fn  # not a submodule even when it is an nn.Module
-        self.device, self.on_meta = model_device(model, materialize_on)
+        self.device, self.on_meta = _model_device(model, materialize_on)
         if stages is not None:  # the stages hold the shards, groups and programs
             self.stage_modules = nn.ModuleList(stages.modules())
             groups = MeshGroups(mesh, dist.get_rank(), (), None, None)
@@ -178,7 +175,6 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         tensors, spec, consts = flatten_inputs(args, kwargs)
         compiled = self._agreed_call(args, kwargs, tensors, spec, consts, local_inputs)
         if not self.loaded:
-            compiled.runner.settle()
             raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
                                "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
         self.current = compiled
@@ -187,11 +183,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         if torch.is_grad_enabled():  # this step's backward reduces this program's buckets
             compiled.buckets.arm()
             self._armed = compiled.buckets
-        try:
-            feed = self._feed(compiled, tensors, user_is_local=local_inputs)
-            outputs = compiled.run(*feed)
-        finally:  # a program without collectives, or one that failed before its first
-            compiled.runner.settle()
+        feed = self._feed(compiled, tensors, user_is_local=local_inputs)
+        outputs = compiled.run(*feed)
         store_buffers(self.state_tensors, buffer_blocks(compiled.program, compiled.traced, compiled.plan, outputs,
                                                         self.mesh.shape))
         return _compat.tree_unflatten(compiled.traced.user_outputs(outputs), compiled.traced.out_spec)
@@ -261,31 +254,23 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     def _agreed_call(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], spec: Any, consts: tuple,
                      local_inputs: bool) -> Compiled:
         """This call's program, once every rank has shown the same inputs (call_agreement):
-        a rank whose inputs are refused here shows its error instead, so every rank stops.
-        Where this rank already holds the program, the agreement is left in flight, to be
-        settled at the program's first collective (the caller settles it after the run)."""
+        a rank whose inputs are refused here shows its error instead, so every rank stops."""
         self.calls += 1
-        problem = attempt(lambda: check_devices(tensors, self.device))[1]
+        problem = attempt(lambda: _check_devices(tensors, self.device))[1]
         compiled = None
         if local_inputs and problem is None:  # blocks differ by rank: agree on the program they feed
             compiled, problem = attempt(lambda: self._compiled_for_local(tensors, spec, consts))
-        elif problem is None:
-            compiled = self.programs.cached(args, kwargs, self.source_model.training)
         if self._world > 1 and not self._caller_agrees:
             if problem is not None:
                 inputs: Any = f"inputs refused here ({type(problem).__name__}: {problem})"
             else:
                 inputs = ("local inputs of", compiled.traced.fingerprint) if local_inputs else Inputs.of(args, kwargs)
-            pending = PendingAgreement(CallSignature(inputs, self.source_model.training, torch.is_grad_enabled()),
-                                       self.calls, self.span)
+            agree_on_call(CallSignature(inputs, self.source_model.training, torch.is_grad_enabled()), self.calls,
+                          self.span)
             self.agreed_calls += 1
-            if problem is None and compiled is not None and compiled.gated:
-                compiled.runner.gate = pending
-                return compiled
-            pending.settle()  # before any tracing or planning, which the ranks do together
         if problem is not None:
             raise problem
-        return compiled if compiled is not None else self._compiled(args, kwargs)
+        return compiled if local_inputs else self._compiled(args, kwargs)
 
     def _require_current(self) -> Compiled:
         if self.stages is not None:
@@ -322,8 +307,8 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         opts = self.options.running  # how this rank runs the plan
         program = emit(traced, plan, self.coords, self.device, defer_grad_sync=True,
                        inflight_cap_bytes=opts.max_inflight_bytes if opts.overlap else None)
-        runner = step_runner(self.comms, overlap=opts.overlap and not opts.compile, reduce_dtype=opts.reduce_dtype)
-        bind(program.gm, runner)
+        bind(program.gm, step_runner(self.comms, overlap=opts.overlap and not opts.compile,
+                                     reduce_dtype=opts.reduce_dtype))
         if self._pinned is None:
             self.state_specs = fill_shards(self.source_model, self.state_tensors, traced, plan, self.coords,
                                            self.on_meta)
@@ -333,7 +318,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         buckets = GradBuckets([(targets[n], self.state_tensors[targets[n]], axes) for n, axes in deferred], self.comms,
                               opts.reduce_dtype)
         run = compiled_program(program.gm, self.device, opts.compile_options) if opts.compile else program.gm
-        return Compiled(traced, plan, program, buckets, run, runner, gated=not opts.compile)
+        return Compiled(traced, plan, program, buckets, run)
 
     def _profile(self):
         """cost_model "profile": this machine's profile, its links calibrated now if missing (all ranks)."""
@@ -393,3 +378,23 @@ def _user_specs(compiled: Compiled) -> list[Spec]:
     pairs = [(gi.target, s) for gi, s in zip(compiled.program.inputs, compiled.program.specs)
              if gi.kind is NodeKind.USER_INPUT]
     return [s for _, s in sorted(pairs, key=lambda p: p[0])]
+
+
+def _model_device(model: nn.Module, materialize_on: "torch.device | str | None") -> tuple[torch.device, bool]:
+    """Where this rank runs, and whether the model is on meta (planned without weights;
+    each rank then reads only its own shards onto `materialize_on`)."""
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        raise MeshError(f"model {type(model).__name__} has parameters on several devices {sorted(map(str, devices))}; "
+                        "move it to one device (model.to(device)) before compiling")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if device.type == "meta":
+        return torch.device(materialize_on or "cpu"), True
+    return device, False
+
+
+def _check_devices(tensors: list[torch.Tensor], device: torch.device) -> None:
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise InputMismatchError(f"input tensor #{i} (shape {tuple(t.shape)}) is on {t.device} but the model "
+                                     f"is on {device}; move inputs to the model's device")

@@ -61,13 +61,6 @@ class ProgramCache:
             self._static[key] = self.compile_fn(args, kwargs)
         return self._static[key]
 
-    def cached(self, args: tuple, kwargs: dict, training: bool) -> Optional[Any]:
-        """The program already made for this call's static signature, without making one
-        (None: none yet, or dynamic, whose programs are found by range in `compiled`)."""
-        if self.dynamic is not None:
-            return None
-        return self._static.get(StaticSignature.of(args, kwargs, training))
-
     def for_local(self, tensors: list[torch.Tensor], spec: Any, consts: tuple, training: bool,
                   mesh_shape: tuple[int, ...], user_specs: Callable[[Any], list],
                   local_shapes: Callable[[Any], Shapes]) -> Optional[Any]:

@@ -20,7 +20,6 @@ import torch
 from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
 from autopar.core.resharding import Step
-from autopar.runtime.call_agreement import PendingAgreement
 from autopar.runtime.collectives import AxisComm, Move, finish, launch, move
 from autopar.runtime.experts import expert_parallel, expert_parallel_standing_in
 
@@ -152,19 +151,8 @@ class ProcessGroupRunner:
         self.comms = comms
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype  # dtype of backward reductions (Options.reduce_dtype)
-        # this call's agreement in flight (runtime/call_agreement.py), settled before the
-        # program's first collective; None once settled, and always under torch.compile
-        self.gate: Optional[PendingAgreement] = None
-
-    def settle(self) -> None:
-        """The call's agreement, if still in flight: waited for, and raised where ranks differ."""
-        if self.gate is not None:
-            gate, self.gate = self.gate, None
-            gate.settle()
 
     def start(self, step: Step, x: torch.Tensor, where: str) -> Any:
-        if self.gate is not None and step.kind.communicates:
-            self.settle()
         comm = self.comms[step.axis]
         rd = self.reduce_dtype
         if not self.overlap:  # plain enough for torch.compile to trace
@@ -190,7 +178,6 @@ class ProcessGroupRunner:
 
     def experts(self, axis: int, ids: torch.Tensor, rows: list, experts: list, row_group: list,
                 num_experts: int, body: str, where: str) -> torch.Tensor:
-        self.settle()
         comm = self.comms[axis]
         if comm.stand_in:
             return expert_parallel_standing_in(comm, ids, rows, experts, row_group, body)
