@@ -118,7 +118,7 @@ def test_visualize_returns_images(name):
     from autopar.tools.visualize import visualize
     plan = _plan(name, mesh=(2, 2))
     figs = visualize(plan)
-    assert set(figs) == {"tensors", "graph", "costs"}
+    assert set(figs) == {"tensors", "graph", "layers", "costs"}
     for fig in figs.values():
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
@@ -160,7 +160,7 @@ def test_cli_plan_show_diff_code(tmp_path):
     assert r.returncode == 1 and "has no node 'no_such_node'" in r.stderr and "ops: " in r.stderr, r.stderr
     r = _cli_here("visualize", str(a), "--out", str(tmp_path / "pictures"))
     assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
-        "plan_costs.png", "plan_graph.png", "plan_tensors.png"], r.stderr
+        "plan_costs.png", "plan_graph.png", "plan_layers.png", "plan_tensors.png"], r.stderr
     r = _cli_here("diff", str(a), str(b))
     assert r.returncode == 0 and "nodes differ" in r.stdout
     r = _cli_here("code", "gpt2-tiny", "--mesh", "2,2", "--rank", "3", "--plan", str(a))

@@ -78,7 +78,7 @@ def test_pictures_leave_the_matplotlib_backend_alone(monkeypatch):
             plan = autopar.plan(MLP().eval(), (torch.randn(8, 16),), mesh=(2, 2))
         figs = visualize(plan)
         assert switched == [] and matplotlib.get_backend() == "svg"
-        assert set(figs) == {"tensors", "graph", "costs"}
+        assert set(figs) == {"tensors", "graph", "layers", "costs"}
     finally:
         monkeypatch.undo()
         switch_backend(original)  # closes the figures too

@@ -10,6 +10,7 @@ skips without it).
 from __future__ import annotations
 
 import dataclasses
+import html
 import html.parser
 import os
 import shutil
@@ -21,6 +22,7 @@ import autopar
 from autopar.core.errors import PlanFileError
 from autopar.tools import zoo
 from autopar.tools.palette import COMMUNICATION, REPLICATED, canonical, placement_colour
+from autopar.tools.layers import layer_graph, row_of
 from autopar.tools.report import layer_key, layer_rows, render, write_html
 from autopar.tools.report_svg import capacity_bytes, timeline_segments
 
@@ -29,7 +31,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.fixture(scope="module")
 def plan():
-    model, args, kwargs = zoo.build("gpt2-small", batch=8, seq=512, training=True, device="meta", n_layer=2)
+    # four blocks: the layer graph draws identical consecutive ones as one box
+    model, args, kwargs = zoo.build("gpt2-small", batch=8, seq=512, training=True, device="meta", n_layer=4)
     return autopar.plan(model, args, kwargs, mesh=(2, 2), device="h100", training=True)
 
 
@@ -95,10 +98,10 @@ def _parsed(path) -> Page:
 
 def test_the_page_has_every_section(plan, page):
     p = _parsed(page)
-    assert p.headings == ["Summary", "Placements", "Memory per rank", "One step, program order",
-                          "Placements and collectives per layer"]
+    assert p.headings == ["Summary", "Placements", "Memory per rank", "Layers and the collectives between them",
+                          "One step, program order", "Placements and collectives per layer"]
     assert p.summary == plan.summary()
-    assert p.tags.count("svg") == 2 and "script" not in p.tags
+    assert p.tags.count("svg") == 3 and "script" not in p.tags
     text = page.read_text()
     assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "") and "https://" not in text
     assert "h100 capacity 80.0 GiB" in "".join(p.text)
@@ -124,6 +127,41 @@ def test_rows_hold_every_node_once_and_every_priced_edge(plan):
     assert sum(r.comm_s for r in rows) == pytest.approx(plan.comm_s)
     assert layer_key("transformer.h.11.mlp.c_fc") == "transformer.h.11"
     assert layer_key("model.embed_tokens") == "model.embed_tokens" and layer_key("lm_head") == "lm_head"
+
+
+def test_the_layer_graph_holds_every_edge_once_inside_a_box_or_on_a_link(plan):
+    rows = layer_rows(plan)
+    for collapse in (False, True):
+        graph = layer_graph(plan, collapse)
+        assert [r.name for b in graph.boxes for r in b.rows] == [r.name for r in rows]  # program order kept
+        box_of = _box_of(graph, plan)
+        inside = sum(box_of[e.producer] == box_of[e.consumer] for e in plan.edges)
+        assert inside + sum(k.edges for k in graph.links) == len(plan.edges)
+        assert sum(b.inner_s for b in graph.boxes) + sum(k.comm_s for k in graph.links) == pytest.approx(plan.comm_s)
+        assert sum(b.compute_s for b in graph.boxes) == pytest.approx(plan.compute_s)
+        assert all(k.source != k.target for k in graph.links)
+    flat, runs = layer_graph(plan, collapse=False), layer_graph(plan).boxes
+    assert all(b.repeats == 1 for b in flat.boxes) and len(flat.boxes) == len(rows)
+    run = next(b for b in runs if b.repeats > 1)  # blocks 0-2 at least: the last feeds ln_f differently
+    assert run.name.startswith("transformer.h.0-") and run.repeats >= 3
+    numbers = [int(r.name.rsplit(".", 1)[1]) for r in run.rows]
+    assert numbers == list(range(numbers[0], numbers[0] + run.repeats))
+    assert all(r.params == run.rows[0].params and r.outputs == run.rows[0].outputs for r in run.rows)
+    red = [k for k in flat.links if k.communicates]  # the last block's output all-reduced into ln_f
+    assert red and all(" x" in k.label() and "MiB" in k.label() for k in red)
+
+
+def _box_of(graph, plan):
+    box = {r.name: b.name for b in graph.boxes for r in b.rows}
+    return {node: box[row] for node, row in row_of(plan).items()}
+
+
+def test_the_page_draws_a_box_per_layer_and_labels_collective_links(plan, page):
+    text = page.read_text()
+    graph = layer_graph(plan)
+    assert text.count('<g class="layer">') == len(graph.boxes)
+    assert text.count('<g class="link">') == len(graph.links)
+    assert all(f">{html.escape(k.label())}<" in text for k in graph.links if k.communicates)
 
 
 def test_the_timeline_ends_at_the_predicted_step(plan):
@@ -199,6 +237,6 @@ def test_a_browser_draws_the_page(page, tmp_path):
 def test_a_pipelined_plan_shows_each_stage_and_a_device_without_capacity_says_so(plan):
     staged = dataclasses.replace(plan, nodes=(), edges=(), stage_plans=(plan, plan))
     page = render(staged)
-    assert page.count("<svg") == 4 and "(pipeline stage 1)" in page
+    assert page.count("<svg") == 6 and "(pipeline stage 1)" in page
     cpu = dataclasses.replace(plan, device="cpu")
     assert capacity_bytes(cpu) is None and "no capacity known for device &#x27;cpu&#x27;" in render(cpu)

@@ -7,6 +7,8 @@ The page, top to bottom:
     colours     every placement the plan uses, in its fixed colour (autopar/tools/palette.py)
     memory      per rank: parameters, gradients + optimizer state, activations, against
                 the device preset's capacity (autopar/tools/report_svg.py)
+    layer graph one box per layer (identical consecutive blocks as one box), links
+                between layers labelled with their collectives (autopar/tools/layers.py)
     timeline    one step in program order: each node's compute, each edge's collectives,
                 the share the cost model hides under compute (autopar/tools/report_svg.py)
     layers      one row per layer (a repeated block such as model.layers.3 is a row of its
@@ -23,22 +25,15 @@ from __future__ import annotations
 
 import html
 import os
-import re
 import secrets
 from collections import Counter
-from dataclasses import dataclass
 
 from autopar.core.errors import PlanFileError
-from autopar.core.kinds import NodeKind
 from autopar.core.plan import Plan
-from autopar.core.plan_parts import EdgePlan, NodeChoice
-from autopar.core.resharding import Step
+from autopar.core.plan_parts import EdgePlan
+from autopar.tools.layers import LayerRow, edge_mib, kinds, layer_graph, layer_key, layer_rows
 from autopar.tools.palette import placement_colour, text_colour
-from autopar.tools.report_svg import memory_svg, timeline_svg
-
-MIB = 2**20
-INPUTS_ROW = "(graph inputs)"  # user inputs, buffers, and parameters no op reads (a tied weight's twin)
-TOP_ROW = "(top level)"  # ops outside every submodule: the loss, the output
+from autopar.tools.report_svg import layer_graph_svg, memory_svg, timeline_svg
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 1360px; }
@@ -57,69 +52,6 @@ table.nodes td { border: none; padding: 0 8px 0 0; }
 """
 
 
-@dataclass(frozen=True)
-class LayerRow:
-    """What one row of the layer table shows."""
-
-    name: str
-    params: tuple[tuple[str, str], ...]  # (short name, placement)
-    outputs: tuple[tuple[str, int], ...]  # (placement, how many op outputs have it), most first
-    edges: tuple[EdgePlan, ...]  # edges into the layer's nodes that move bytes, forward or backward
-    nodes: tuple[NodeChoice, ...]
-    compute_s: float
-    comm_s: float
-
-
-def layer_key(module: str) -> str:
-    """The row a module belongs to: 'model.layers.3.mlp.up_proj' -> 'model.layers.3' (a
-    repeated block, cut after its index); 'model.embed_tokens.x' -> 'model.embed_tokens'."""
-    m = re.match(r"^(.*?\.\d+)(\.|$)", module)
-    if m:
-        return m.group(1)
-    return ".".join(module.split(".")[:2]) if module else TOP_ROW
-
-
-def _communicates(edge: EdgePlan) -> bool:
-    """Moves bytes forward, or backward at a price (a grad sync of an integer input costs nothing)."""
-    return any(s.kind.communicates for s in edge.steps) or (edge.comm_s > 0 and bool(_moves(edge)))
-
-
-def layer_rows(plan: Plan) -> list[LayerRow]:
-    """The layer table's rows in program order. A parameter sits in the row of its first
-    consumer, an edge in the row of its consumer, other graph inputs in a row of their own."""
-    position = {n.name: i for i, n in enumerate(plan.nodes)}
-    first_use: dict[str, int] = {}
-    for e in plan.edges:
-        first_use[e.producer] = min(first_use.get(e.producer, len(position)), position.get(e.consumer, len(position)))
-    where: dict[str, tuple[str, int]] = {}  # node -> (its row, the program position that places it)
-    for i, n in enumerate(plan.nodes):
-        if n.kind is NodeKind.PARAMETER and first_use.get(n.name, len(position)) < len(position):
-            where[n.name] = (layer_key(plan.nodes[first_use[n.name]].module), first_use[n.name])
-        else:
-            where[n.name] = (INPUTS_ROW, -1) if n.kind.is_input else (layer_key(n.module), i)
-    starts: dict[str, int] = {}
-    for row, i in where.values():
-        starts[row] = min(starts.get(row, i), i)
-    rows = []
-    for name in sorted(starts, key=starts.__getitem__):
-        nodes = tuple(n for n in plan.nodes if where[n.name][0] == name)
-        edges = tuple(e for e in plan.edges
-                      if where.get(e.consumer, ("", 0))[0] == name and _communicates(e))
-        outputs = Counter(str(n.outputs[0]) for n in nodes if not n.kind.is_input and n.outputs)
-        params = tuple((_short(n.name, name), str(n.outputs[0])) for n in nodes
-                       if n.kind is NodeKind.PARAMETER and n.outputs)
-        rows.append(LayerRow(name, params, tuple(outputs.most_common()), edges, nodes,
-                             sum(n.compute_s for n in nodes), sum(e.comm_s for e in edges)))
-    return rows
-
-
-def _short(param: str, row: str) -> str:
-    """'p_model_layers_0_mlp_up_proj_weight' in row 'model.layers.0' -> 'mlp_up_proj_weight'."""
-    name = param[2:] if param.startswith("p_") else param
-    prefix = row.replace(".", "_") + "_"
-    return name[len(prefix):] if name.startswith(prefix) else name
-
-
 # ---- HTML pieces -------------------------------------------------------------------
 def chip(placement: str, suffix: str = "") -> str:
     bg = placement_colour(placement)
@@ -127,19 +59,7 @@ def chip(placement: str, suffix: str = "") -> str:
             f"{html.escape(placement)}{html.escape(suffix)}</span>")
 
 
-def _moves(edge: EdgePlan) -> tuple[Step, ...]:
-    return tuple(s for s in edge.steps if s.kind.communicates or s.backward.communicates)
 
-
-def _kinds(edge: EdgePlan) -> str:
-    """'all_gather axis 0 (backward reduce_scatter) + slice axis 1 (backward all_gather)'."""
-    return " + ".join(f"{s.kind} axis {s.axis}" + (f" (backward {s.backward})" if s.backward.communicates else "")
-                      for s in _moves(edge))
-
-
-def _mib(edge: EdgePlan, plan: Plan) -> float:
-    """The bytes one rank puts into the edge's moving steps (each step's local input)."""
-    return sum(s.before.local_nbytes(plan.mesh.shape) for s in _moves(edge) if s.before is not None) / MIB
 
 
 def _comms_html(row: LayerRow, plan: Plan) -> str:
@@ -147,16 +67,16 @@ def _comms_html(row: LayerRow, plan: Plan) -> str:
     more: behind a fold)."""
     groups: dict[str, list[EdgePlan]] = {}
     for e in row.edges:
-        groups.setdefault(_kinds(e), []).append(e)
+        groups.setdefault(kinds(e), []).append(e)
     items = []
-    for kinds, edges in sorted(groups.items(), key=lambda kv: -sum(e.comm_s for e in kv[1])):
-        each = [f"{html.escape(e.producer)} → {html.escape(e.consumer)}: {_mib(e, plan):.2f} MiB, "
+    for label, edges in sorted(groups.items(), key=lambda kv: -sum(e.comm_s for e in kv[1])):
+        each = [f"{html.escape(e.producer)} → {html.escape(e.consumer)}: {edge_mib(e, plan):.2f} MiB, "
                 f"{e.comm_s * 1e3:.3f} ms" for e in edges]
         where = (f'<span class="muted">{html.escape(edges[0].producer)} → {html.escape(edges[0].consumer)}</span>'
                  if len(edges) == 1 else
                  f"<details><summary>{len(edges)} edges</summary><ul>"
                  + "".join(f'<li class="muted">{x}</li>' for x in each) + "</ul></details>")
-        items.append(f"<li>{html.escape(kinds)} ×{len(edges)}: <b>{sum(_mib(e, plan) for e in edges):.2f} MiB, "
+        items.append(f"<li>{html.escape(label)} ×{len(edges)}: <b>{sum(edge_mib(e, plan) for e in edges):.2f} MiB, "
                      f"{sum(e.comm_s for e in edges) * 1e3:.3f} ms</b> {where}</li>")
     return f'<ul class="comms">{"".join(items)}</ul>' if items else '<span class="muted">none</span>'
 
@@ -195,6 +115,11 @@ def legend_html(plans: list[Plan]) -> str:
 
 def _plan_sections(plan: Plan, title: str) -> str:
     return (f'<section class="memory"><h2>Memory per rank{title}</h2>{memory_svg(plan)}</section>'
+            f'<section class="layer-graph"><h2>Layers and the collectives between them{title}</h2>'
+            f"{layer_graph_svg(layer_graph(plan))}<p class=\"note\">Each box a layer in program order (identical "
+            "consecutive blocks drawn as one box, x its count), coloured by the placement most of its op outputs "
+            "have; red links carry collectives (one rank's MiB, predicted ms forward + backward); hover for "
+            "details.</p></section>"
             f'<section class="timeline"><h2>One step, program order{title}</h2>'
             f"{timeline_svg(plan, layer_key)}</section>"
             f'<section class="layers"><h2>Placements and collectives per layer{title}</h2>'

@@ -2,6 +2,8 @@
 
     memory_svg(plan)              per rank: parameters | gradients + optimizer state |
                                   activations, on a scale that ends past the device's capacity
+    layer_graph_svg(graph)        the layers as boxes in program order, links between them
+                                  labelled with their collectives (autopar/tools/layers.py)
     timeline_svg(plan, layer_of)  one step in program order, on three lanes:
 
         compute         |node|node|  node  |node|          |node|...
@@ -29,7 +31,8 @@ from typing import Callable, Optional
 from autopar.core.kinds import NodeKind
 from autopar.core.plan import Plan
 from autopar.cost_models.devices import PRESETS
-from autopar.tools.palette import CAPACITY, COMMUNICATION, MEMORY_COLOURS, placement_colour
+from autopar.tools.layers import LayerBox, LayerGraph
+from autopar.tools.palette import CAPACITY, COMMUNICATION, MEMORY_COLOURS, placement_colour, text_colour
 
 MIB, GIB = 2**20, 2**30
 WIDTH = 1300  # px of every drawing
@@ -229,3 +232,54 @@ def timeline_svg(plan: Plan, layer_of: Callable[[str], str]) -> str:
                      "model's hidden seconds, spread over the parameter edges by price; hover a bar for its node "
                      "or edge", 11, fill="#555"))
     return _svg(bottom + 62, "".join(out), "timeline of one step")
+
+
+# ---- layer graph -------------------------------------------------------------------
+BOX_X, BOX_W, BOX_H, BOX_GAP = 24, 380, 36, 30  # px: the column of layer boxes
+ARC_STEP = 16  # px between the lanes of links that skip boxes
+
+
+def _box(box: LayerBox, y: float) -> str:
+    fill = placement_colour(box.placement) if box.placement else "#ffffff"
+    ink = text_colour(fill)
+    title = box.name + (f" x{box.repeats}" if box.repeats > 1 else "")
+    detail = f"compute {box.compute_s * 1e3:.3f} ms" + (f", inside {box.inner_s * 1e3:.3f} ms comm" if box.inner else "")
+    tip = "\n".join([f"{title}: output placement {box.placement or '-'}; {detail}"]
+                    + [f"inside: {k} x{c}" for k, c in box.inner] + [f"row {r.name}" for r in box.rows[:8]]
+                    + ([f"... {box.repeats - 8} more rows"] if box.repeats > 8 else []))
+    return (f'<g class="layer"><title>{html.escape(tip)}</title>'
+            f'<rect x="{BOX_X}" y="{y:.1f}" width="{BOX_W}" height="{BOX_H}" rx="5" fill="{fill}" stroke="#555"/>'
+            + _text(BOX_X + 8, y + 15, title, 12, fill=ink) + _text(BOX_X + 8, y + 30, detail, 10, fill=ink) + "</g>")
+
+
+def layer_graph_svg(graph: LayerGraph) -> str:
+    """The boxes in a column in program order; a link between neighbours is an arrow between
+    them, one that skips boxes an arc on the right. Links that move bytes are red and
+    labelled with their collectives; the rest grey."""
+    top = {b.name: 10 + i * (BOX_H + BOX_GAP) for i, b in enumerate(graph.boxes)}
+    index = {b.name: i for i, b in enumerate(graph.boxes)}
+    out = ['<defs><marker id="arrow" viewBox="0 0 8 8" refX="7" refY="4" markerWidth="7" markerHeight="7" '
+           'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#666"/></marker></defs>']
+    out += [_box(b, top[b.name]) for b in graph.boxes]
+    right, lane = BOX_X + BOX_W, 0
+    for link in sorted(graph.links, key=lambda k: abs(index[k.target] - index[k.source])):
+        colour, width = (COMMUNICATION, 2.0) if link.communicates else ("#999", 1.0)
+        tip = f"{link.source} -> {link.target}: {link.edges} edges" + (
+            f"; {link.label(most=len(link.collectives))}" if link.communicates else ", no collective")
+        a, b = index[link.source], index[link.target]
+        if b == a + 1:  # neighbours: straight down the column
+            x, y0, y1 = BOX_X + BOX_W / 2, top[link.source] + BOX_H, top[link.target]
+            out.append(f'<g class="link"><title>{html.escape(tip)}</title><line x1="{x}" y1="{y0}" x2="{x}" '
+                       f'y2="{y1 - 1}" stroke="{colour}" stroke-width="{width}" marker-end="url(#arrow)"/>'
+                       + (_text(x + 8, (y0 + y1) / 2 + 4, link.label(), 11, fill=COMMUNICATION)
+                          if link.communicates else "") + "</g>")
+            continue
+        lane += 1
+        x = right + 12 + lane * ARC_STEP
+        y0, y1 = top[link.source] + BOX_H / 2, top[link.target] + BOX_H / 2
+        out.append(f'<g class="link"><title>{html.escape(tip)}</title><path d="M{right},{y0} H{x} V{y1} H{right + 2}" '
+                   f'fill="none" stroke="{colour}" stroke-width="{width}" marker-end="url(#arrow)"/>'
+                   + (_text(x + 4, (y0 + y1) / 2, link.label(), 11, fill=COMMUNICATION)
+                      if link.communicates else "") + "</g>")
+    height = 20 + len(graph.boxes) * (BOX_H + BOX_GAP)
+    return _svg(height, "".join(out), "layer graph")

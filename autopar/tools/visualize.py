@@ -1,9 +1,11 @@
 """Pictures of a Plan: matplotlib figures, returned for pyplot or a notebook to show (the
 backend stays the caller's); networkx lays out the graph.
 
-    visualize(plan)                 -> {"tensors": Figure, "graph": Figure, "costs": Figure}
+    visualize(plan)                 -> {"tensors", "graph", "layers", "costs"}: Figure each
     tensor_blocks(plan, names)      which block of each tensor every device of the mesh holds
     graph_figure(plan)              the op graph coloured by output placement, collectives in red
+    layer_graph_figure(plan)        the same at the level of layers: a box per layer (identical
+                                    consecutive blocks as one), links labelled with their collectives
     cost_figure(plan)               per-layer compute vs communication; per-rank memory breakdown
 
 Every placement has the colour autopar/tools/palette.py gives it, the one the HTML report
@@ -12,7 +14,6 @@ Every placement has the colour autopar/tools/palette.py gives it, the one the HT
 
 from __future__ import annotations
 
-import re
 from typing import Optional, Sequence
 
 import networkx as nx
@@ -20,7 +21,8 @@ import networkx as nx
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Partial, Shard, Spec
 from autopar.core.plan import Plan
-from autopar.tools.palette import COMMUNICATION, COMPUTE, MEMORY_COLOURS, placement_colour
+from autopar.tools.layers import layer_graph, layer_key
+from autopar.tools.palette import COMMUNICATION, COMPUTE, MEMORY_COLOURS, placement_colour, text_colour
 
 
 def _plt():
@@ -33,12 +35,6 @@ def _plt():
     except ImportError:
         raise ImportError("autopar.tools.visualize draws with matplotlib: pip install 'autopar[viz]'") from None
     return plt
-
-
-def layer_of(module: str) -> str:
-    """'transformer.h.3.attn.c_attn' -> 'transformer.h.3'; 'lm_head' -> 'lm_head'."""
-    m = re.match(r"^(.*?\.\d+)(\.|$)", module)
-    return m.group(1) if m else (module.split(".")[0] if module else "(top)")
 
 
 def mesh_label(plan: Plan) -> str:
@@ -141,6 +137,47 @@ def graph_figure(plan: Plan, max_nodes: int = 400):
     return fig
 
 
+def layer_graph_figure(plan: Plan, collapse: bool = True):
+    """The layer graph (autopar/tools/layers.py) as the HTML report draws it: boxes in a
+    column in program order, an arrow between neighbours, an arc on the right for a link
+    that skips boxes; links with collectives red and labelled."""
+    plt = _plt()
+    graph = layer_graph(plan, collapse)
+    index = {b.name: i for i, b in enumerate(graph.boxes)}
+    fig, ax = plt.subplots(figsize=(11, 0.6 + 0.62 * len(graph.boxes)))
+    for i, b in enumerate(graph.boxes):
+        fill = placement_colour(b.placement) if b.placement else "#ffffff"
+        ax.add_patch(plt.Rectangle((0, -i - 0.35), 4, 0.7, facecolor=fill, edgecolor="#555"))
+        name = b.name + (f" x{b.repeats}" if b.repeats > 1 else "")
+        inner = f", inside {b.inner_s * 1e3:.3f} ms comm" if b.inner else ""
+        ax.text(0.08, -i, f"{name}\ncompute {b.compute_s * 1e3:.3f} ms{inner}", va="center", fontsize=7,
+                color=text_colour(fill))
+    lane = 0
+    for link in sorted(graph.links, key=lambda k: abs(index[k.target] - index[k.source])):
+        a, c = index[link.source], index[link.target]
+        colour, width = (COMMUNICATION, 1.8) if link.communicates else ("#999999", 0.8)
+        label = link.label() if link.communicates else ""
+        if c == a + 1:
+            ax.annotate("", xy=(2, -c + 0.35), xytext=(2, -a - 0.35),
+                        arrowprops=dict(arrowstyle="->", color=colour, lw=width))
+            if label:
+                ax.text(2.08, -a - 0.5, label, fontsize=6, color=COMMUNICATION, va="center")
+            continue
+        lane += 1
+        x = 4.15 + 0.12 * lane
+        ax.plot([4, x, x], [-a, -a, -c], color=colour, lw=width)
+        ax.annotate("", xy=(4, -c), xytext=(x, -c), arrowprops=dict(arrowstyle="->", color=colour, lw=width))
+        if label:
+            ax.text(x + 0.05, -(a + c) / 2, label, fontsize=6, color=COMMUNICATION, va="center")
+    ax.set_xlim(-0.1, 4.6 + 0.12 * lane + 3.5)
+    ax.set_ylim(-len(graph.boxes) + 0.4, 0.6)
+    ax.set_title(f"{plan.model_name} on mesh {mesh_label(plan)}: layers and the collectives between them",
+                 fontsize=9)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
 def memory_breakdown(plan: Plan) -> dict[str, int]:
     """Per-rank bytes: parameters, gradients and AdamW state (training), activations."""
     out = {"parameters": plan.param_bytes}
@@ -155,9 +192,9 @@ def cost_figure(plan: Plan):
     layers: dict[str, list[float]] = {}
     module = {n.name: n.module for n in plan.nodes}
     for n in plan.nodes:
-        layers.setdefault(layer_of(n.module), [0.0, 0.0])[0] += n.compute_s
+        layers.setdefault(layer_key(n.module), [0.0, 0.0])[0] += n.compute_s
     for e in plan.edges:
-        layers.setdefault(layer_of(module.get(e.consumer, "")), [0.0, 0.0])[1] += e.comm_s
+        layers.setdefault(layer_key(module.get(e.consumer, "")), [0.0, 0.0])[1] += e.comm_s
     names = list(layers)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
     x = range(len(names))
@@ -184,8 +221,9 @@ def cost_figure(plan: Plan):
 
 
 def visualize(plan: Plan, path_prefix: Optional[str] = None) -> dict:
-    """All three pictures; with `path_prefix`, also saved as <prefix>_<name>.png."""
-    figs = {"tensors": tensor_blocks(plan), "graph": graph_figure(plan), "costs": cost_figure(plan)}
+    """Every picture; with `path_prefix`, also saved as <prefix>_<name>.png."""
+    figs = {"tensors": tensor_blocks(plan), "graph": graph_figure(plan), "layers": layer_graph_figure(plan),
+            "costs": cost_figure(plan)}
     if path_prefix:
         for name, fig in figs.items():
             fig.savefig(f"{path_prefix}_{name}.png", dpi=110, bbox_inches="tight")
