@@ -10,7 +10,9 @@ while reading that input as R (autopar/core/resharding.py): their backward all-r
 from __future__ import annotations
 
 from math import prod
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
+
+import torch
 
 from autopar.core.placement import R, Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step, Unreachable, reshard_moves, reshard_steps, split_axes
@@ -55,6 +57,7 @@ class EdgePricer:
         self._moves: dict[tuple, Optional[tuple[Step, ...]]] = {}  # (layouts, ndim, grad-sync axes) -> moves
         self._hideable: dict[tuple[int, DstKey, Share], float] = {}
         self._step_s: dict[tuple, float] = {}  # (kind, backward, axis, local bytes, differentiable) -> seconds
+        self._tables: dict[tuple, torch.Tensor] = {}  # (src classes, dst classes, share) -> R over them
 
     def spec_id(self, spec: Spec) -> int:
         hit = self._seen.get(id(spec))
@@ -128,6 +131,18 @@ class EdgePricer:
         if not share or cost == INF:
             return cost
         return cost - self.hidden_between(src, dst, share)
+
+    def price_table(self, src: Sequence[int], dst: Sequence[DstKey], share: Share = NO_SHARE) -> torch.Tensor:
+        """price_between over every src class (rows) and dst class (columns), float64
+        seconds, memoised on the two class lists and the share: the edges of L identical
+        blocks carry value-equal specs between the same classes, so their tables are built
+        once, not L times (what dominance pruning and the ILP's edge terms both read)."""
+        key = (tuple(src), tuple(dst), share)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = torch.tensor([[self.price_between(o, r, share) for r in key[1]]
+                                                      for o in key[0]], dtype=torch.float64)
+        return table
 
     def price_s(self, src: Spec, consumer: Layouts, position: int, share: Share = NO_SHARE) -> float:
         return self.price_between(self.spec_id(src), self.dst_key(consumer, position), share)

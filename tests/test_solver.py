@@ -214,6 +214,25 @@ def test_edge_pricer_memos_price_exactly_as_the_cost_model():
             assert pricer.cost_between(pricer.spec_id(a), (pricer.spec_id(b), axes)) == want, (src, dst, axes)
 
 
+def test_price_tables_are_the_prices_and_shared_between_equal_edges():
+    # two tensors of one meta (two layers' activations) price alike: one table for both
+    from itertools import product
+    from autopar.core.placement import P, R, Shard, Spec
+    from autopar.cost_models.edge_prices import EdgePricer
+    from autopar.cost_models.model import CostModel
+    pricer = EdgePricer(CostModel.analytic("h100", (2, 4), training=True))
+    layouts = list(product([R, P, Shard(0), Shard(1)], repeat=2))
+    first, second = TensorMeta((8, 16), torch.float32), TensorMeta((8, 16), torch.float32)
+    src = [pricer.spec_id(Spec(p, first)) for p in layouts]
+    dst = [(pricer.spec_id(Spec(p, first)), axes) for p in layouts for axes in ((), (1,))]
+    table = pricer.price_table(src, dst)
+    assert table.dtype == torch.float64 and tuple(table.shape) == (len(src), len(dst))
+    assert table.tolist() == [[pricer.price_between(o, r) for r in dst] for o in src]
+    again = [pricer.spec_id(Spec(p, second)) for p in layouts]  # value-equal specs: the same numbers
+    assert again == src and pricer.price_table(again, tuple(dst)) is table
+    assert pricer.price_table(src[:3], dst) is not table and pricer.price_table(src[:3], dst).shape[0] == 3
+
+
 def test_dominance_pruning_counts_every_copy_of_a_clustered_edge(monkeypatch):
     # under layer clustering an edge has twins, one per repeated block, each adding its
     # price to the objective: pruning that counted a twin once kept a choice whose own

@@ -128,8 +128,7 @@ def _edge_tables(model: IlpModel, pricer: EdgePricer) -> list[EdgeTable]:
         src, dst = edge_classes(edge, model, pricer)
         u, v = model.owner(model.groups[edge.producer].leader), model.owner(model.groups[edge.consumer.name].leader)
         tables[key] = EdgeTable(u, v, _class_of(src, len(model.cost_s[u])), _class_of(dst, len(model.cost_s[v])),
-                                torch.tensor([[pricer.price_between(o, r, edge.share) for r in dst] for o in src],
-                                             dtype=torch.float64))
+                                pricer.price_table(list(src), list(dst), edge.share))
     return [replace(t, copies=copies[key]) for key, t in tables.items()]
 
 

@@ -238,8 +238,7 @@ def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple
         key = edge.twin_key(model.rep)
         if key not in built:
             src, dst = edge_classes(edge, model, pricer)
-            matrix: list[list] = [[pricer.price_between(o, r, edge.share) for r in dst]
-                                  for o in src]
+            matrix: list[list] = pricer.price_table(list(src), list(dst), edge.share).tolist()
             with_forward = forward is not None and key in into_blocks
             if with_forward:
                 matrix = [list(zip(row, fwd)) for row, fwd in zip(matrix, forward_prices(edge, model, src, dst, forward))]
