@@ -47,6 +47,22 @@ def test_clustering_keeps_the_objective_with_far_fewer_variables():
     assert len(by_layer) == 4 and all(v == by_layer["0"] for v in by_layer.values())
 
 
+def test_mixed_precision_blocks_share_as_full_precision_ones_do():
+    # under param_dtype the blocks read bf16 copies their parameters' casts make at the top
+    # of the graph; each cast belongs to its parameter's block, so twins are still found.
+    # Same stated tolerance as above: the clustered objective equals the flat one to 1e-9
+    import torch
+    model, args, kwargs = build("gpt2-tiny", training=True, n_layer=4)
+    mixed = dict(mesh=(2, 4), param_dtype=torch.bfloat16)
+    flat = _plan(model, args, kwargs, cluster_layers="off", **mixed)
+    inner, shared = (_plan(model, args, kwargs, cluster_layers=mode, **mixed) for mode in ("inner", "all"))
+    assert (inner.solver.shared_blocks, shared.solver.shared_blocks) == (1, 3)
+    assert any(n.op == "aten.to.dtype" and n.module == "" for n in shared.nodes)  # the casts are there, top level
+    for clustered in (inner, shared):
+        assert clustered.solver.objective_s == pytest.approx(flat.solver.objective_s, rel=1e-9)
+    assert shared.solver.variables < 0.4 * flat.solver.variables, (shared.solver.variables, flat.solver.variables)
+
+
 def test_cluster_mode_is_checked():
     model, args, kwargs = build("gpt2-tiny")
     with pytest.raises(ValueError, match="cluster_layers"):

@@ -45,7 +45,7 @@ from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
 from autopar.cost_models.overlap import plan_hidden_s
-from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks
+from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks, shared_blocks_of
 from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
 from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
@@ -261,7 +261,7 @@ def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Optio
     # does not simply take the layout its consumer reads
     store_as_read = options.memory_budget_bytes is None
     mode = options.cluster_layers
-    block_of = find_blocks(graph) if mode is not Clustering.OFF else {}
+    block_of = shared_blocks_of(graph) if mode is not Clustering.OFF else {}
     groups = build_groups(graph, pricer, options.follow, store_as_read, block_of)
     blocks = cluster(graph, block_of, groups, mode)
     if block_of and not blocks.shared_blocks:  # nothing to share: keep followers free to cross blocks

@@ -15,6 +15,11 @@ the first and the last keep their own variables and the L-2 inner ones share one
 Mode "all" lets the first and last share too: fewer variables, and a plan that can only
 lose where an end layer's best choice differs from the inner ones'.
 
+Under mixed precision (Options.param_dtype) the traced model reads copies of its
+parameters made by casts at the top of the graph, outside every module; for sharing,
+a cast whose one input is a block's parameter belongs to that block (`shared_blocks_of`),
+else every layer would read a node of its own from outside and no two would be twins.
+
 Why this is exact where it applies: shared variables force copies to choose alike, and
 each copy's compute and the edges into and out of it (the boundaries between blocks
 included) are still priced on their own endpoints; an edge whose endpoints map to the
@@ -29,6 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from autopar.core.kinds import NodeKind
 from autopar.core.options import Clustering
 from autopar.passes.strategies.strategies import AnnotatedGraph
 
@@ -59,6 +65,23 @@ def find_blocks(graph: AnnotatedGraph) -> dict[str, tuple[str, int]]:
         key = block_key(path) if path else None
         if key is not None:
             block_of[n.name] = key
+    return block_of
+
+
+# ops that only change a tensor's dtype: a parameter's mixed-precision copy (passes/trace/trace.py)
+CASTS = frozenset({"aten.to.dtype", "aten._to_copy.default", "prims.convert_element_type.default"})
+
+
+def shared_blocks_of(graph: AnnotatedGraph) -> dict[str, tuple[str, int]]:
+    """find_blocks, with each cast of a block's parameter in that parameter's block (module
+    docstring): what clustering compares. Pipelines and recompute keep find_blocks, where a
+    block is the ops its module runs."""
+    block_of = find_blocks(graph)
+    for n in graph.nodes:
+        if n.name not in block_of and n.op in CASTS and len(n.inputs) == 1:
+            source = graph.node(n.inputs[0][0])
+            if source.kind is NodeKind.PARAMETER and source.name in block_of:
+                block_of[n.name] = block_of[source.name]
     return block_of
 
 
