@@ -161,6 +161,13 @@ def test_cli_plan_show_diff_code(tmp_path):
     r = _cli_here("visualize", str(a), "--out", str(tmp_path / "pictures"))
     assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
         "plan_costs.png", "plan_graph.png", "plan_layers.png", "plan_tensors.png"], r.stderr
+    assert r.stdout.count(".png") == 4, r.stdout
+    r = _cli_here("report", str(a), "--out", str(tmp_path / "report" / "plan.html"))
+    page = (tmp_path / "report" / "plan.html").read_text()
+    assert r.returncode == 0 and str(tmp_path / "report" / "plan.html") in r.stdout, r.stderr
+    assert page.count("<svg") == 3 and "Plan for GPT2LMHeadModel" in page
+    r = _cli_here("report", str(a), "--out", str(tmp_path))  # a folder, not a file
+    assert r.returncode == 1 and "is a folder" in r.stderr, r.stderr
     r = _cli_here("diff", str(a), str(b))
     assert r.returncode == 0 and "nodes differ" in r.stdout
     r = _cli_here("code", "gpt2-tiny", "--mesh", "2,2", "--rank", "3", "--plan", str(a))

@@ -1,9 +1,10 @@
-"""Command line: plan, show, explain, visualize, diff, code, coverage, sweep, run.
+"""Command line: plan, show, explain, visualize, report, diff, code, coverage, sweep, run.
 
     python -m autopar plan gpt2-tiny --mesh 2,4 --out plan.json
     python -m autopar show plan.json [--nodes] [--all]
     python -m autopar explain plan.json NODE
     python -m autopar visualize plan.json --out DIR
+    python -m autopar report plan.json --out plan.html
     python -m autopar diff a.json b.json
     python -m autopar code gpt2-tiny --mesh 2,4 --rank 3 [--plan plan.json]
     python -m autopar coverage [models...] [--mesh 2,4] [--training]
@@ -34,6 +35,7 @@ from autopar.passes.plan.planning import plan_traced, trace_for_planning
 from autopar.tools import zoo
 from autopar.tools.coverage import coverage, report
 from autopar.tools.plan_text import collectives_by_module
+from autopar.tools.report import write_html
 from autopar.tools.visualize import visualize  # loads matplotlib (optional) only when it draws
 from autopar.tools.simulated import CHEAP_COMM
 from autopar.tools.sweep import Stage, SweepOptions, sweep
@@ -77,7 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("node", help="a node name, as show --nodes lists them")
     sp = sub.add_parser("visualize", help="draw a saved plan's pictures as PNG files (needs matplotlib)")
     sp.add_argument("plan")
-    sp.add_argument("--out", required=True, help="folder for tensors.png, graph.png and costs.png")
+    sp.add_argument("--out", required=True, help="folder for plan_tensors.png, plan_graph.png, plan_layers.png and "
+                    "plan_costs.png")
+    sp = sub.add_parser("report", help="write a saved plan as one self-contained HTML page")
+    sp.add_argument("plan")
+    sp.add_argument("--out", required=True, help="the HTML file to write (atomically)")
     sp = sub.add_parser("diff", help="compare two saved plans")
     sp.add_argument("a")
     sp.add_argument("b")
@@ -212,8 +218,10 @@ def _run(args) -> int:
             print(_explained(Plan.from_json(args.plan), args))
         elif args.command == "visualize":
             os.makedirs(args.out, exist_ok=True)
-            visualize(Plan.from_json(args.plan), os.path.join(args.out, "plan"))
-            print(f"wrote {', '.join(os.path.join(args.out, f'plan_{n}.png') for n in ('tensors', 'graph', 'costs'))}")
+            drawn = visualize(Plan.from_json(args.plan), os.path.join(args.out, "plan"))
+            print(f"wrote {', '.join(os.path.join(args.out, f'plan_{n}.png') for n in drawn)}")
+        elif args.command == "report":
+            print(f"wrote {write_html(Plan.from_json(args.plan), args.out)}")
         elif args.command == "diff":
             print(Plan.from_json(args.a).diff(Plan.from_json(args.b)))
         elif args.command == "code":
