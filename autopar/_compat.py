@@ -3,6 +3,7 @@ torch upgrade (2.11 -> 2.13 and on) is one file's problem."""
 
 from __future__ import annotations
 
+import faulthandler
 from typing import Any
 
 import torch
@@ -86,3 +87,14 @@ def data_dependent_error() -> type:
     (an unbacked symbol such as the row count of `x[x > 0]` or `nonzero`)."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     return GuardOnDataDependentSymNode
+
+
+def report_fatal_signals() -> None:
+    """A process killed by SIGSEGV, SIGABRT, SIGBUS, SIGILL or SIGFPE prints where every
+    thread was: Python frames (faulthandler) and native ones, gloo's worker threads
+    included (c10's fatal-signal handler, where this torch has it). For rank processes
+    that autopar's tests, examples and sweep start: a crash in C++ then names its frame."""
+    faulthandler.enable(all_threads=True)
+    native = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if native is not None:
+        native(True)

@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
+import torch
 import torch.multiprocessing as mp
 
 
@@ -33,7 +34,9 @@ def run_then_leave(run: Callable, args: Any) -> None:
     restarts a run that had finished. So a run that ended well meets at a barrier before
     destroying its group; one that failed leaves at once (its peers time out or are
     stopped by the agent)."""
-    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints where each thread was
+    # a rank killed by a signal prints where each thread was: Python frames, then native ones
+    faulthandler.enable(all_threads=True)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     finished = False
     try:
         run(dist.get_rank(), dist.get_world_size(), args)

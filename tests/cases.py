@@ -637,3 +637,14 @@ def complex_collectives(rank: int, world: int) -> dict:
     want = {"all_to_all": whole.chunk(world, dim=1)[rank], "all_gather": whole,
             "reduce_scatter": total.chunk(world, dim=1)[rank], "all_reduce": total}
     return {"got": got, "want": want}
+
+
+def crash_natively(rank: int, world: int) -> dict:
+    """Rank 0 dies of SIGSEGV inside C code (a read of address 0), as a heap corruption
+    would kill it; the others wait at a barrier and are ended by the harness."""
+    import ctypes
+    import torch.distributed as dist
+    if rank == 0:
+        ctypes.string_at(0)
+    dist.barrier()
+    return {}

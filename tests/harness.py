@@ -8,7 +8,6 @@ that builds its model from a fixed seed and returns tensors; the parent compares
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 import tempfile
@@ -20,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from autopar import _compat
 
 START_METHOD = "forkserver"
 # what the fork server imports before it forks any rank (a failing import is skipped).
@@ -37,7 +38,7 @@ COLLECTIVE_TIMEOUT_S = 120
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tuple[Callable, dict]]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints where every thread was
+    _compat.report_fatal_signals()  # a rank killed by a signal prints where every thread was, native frames too
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))

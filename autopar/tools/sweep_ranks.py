@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar import _compat
 from autopar.core.files import write_json_atomic
 from autopar.tools.float64_check import float64_math, in_float64
 from autopar.tools.simulated import CHEAP_COMM
@@ -156,6 +157,7 @@ def _read(tmp: str, index: int, rank: int) -> Optional[dict]:
 # ---- a rank ---------------------------------------------------------------------------
 
 def _rank_main(rank: int, world: int, tmp: str, batch: list[RankJob], mesh: tuple[int, ...], limit_s: float) -> None:
+    _compat.report_fatal_signals()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
