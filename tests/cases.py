@@ -639,12 +639,15 @@ def complex_collectives(rank: int, world: int) -> dict:
     return {"got": got, "want": want}
 
 
-def crash_natively(rank: int, world: int) -> dict:
+def crash_natively(rank: int, world: int, log: str) -> dict:
     """Rank 0 dies of SIGSEGV inside C code (a read of address 0), as a heap corruption
-    would kill it; the others wait at a barrier and are ended by the harness."""
+    would kill it, its standard error sent to the file `log` first (a rank's fd 2 is the
+    fork server's, not the test's); the others wait at a barrier and are ended by the harness."""
     import ctypes
+    import os
     import torch.distributed as dist
     if rank == 0:
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT, 0o644), 2)
         ctypes.string_at(0)
     dist.barrier()
     return {}

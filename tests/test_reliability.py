@@ -53,12 +53,13 @@ def test_verify_passes_a_correct_plan_and_names_a_corrupted_one(four_ranks):
         assert "MISMATCH" in str(bad) and expected in str(bad)
 
 
-def test_a_rank_killed_by_a_signal_reports_native_frames_of_every_thread(capfd):
+def test_a_rank_killed_by_a_signal_reports_native_frames_of_every_thread(tmp_path):
     # what the next unexplained crash of a gloo rank (docs/how-it-works.md) will leave in
     # the log: Python frames (faulthandler), then c10's native frames of each thread
     from torch.multiprocessing import ProcessExitedException
+    log = tmp_path / "rank0.err"
     with pytest.raises(ProcessExitedException, match="SIGSEGV"):
-        run_ranks(2, [(cases.crash_natively, {})])
-    err = capfd.readouterr().err
+        run_ranks(2, [(cases.crash_natively, dict(log=str(log)))])
+    err = log.read_text()
     assert "Fatal Python error: Segmentation fault" in err and "crash_natively" in err, err[-3000:]
     assert "SIGSEGV(11)" in err and "frame #" in err and err.count(", Thread ") >= 2, err[-3000:]
