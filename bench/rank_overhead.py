@@ -13,7 +13,7 @@
    and with local batches (local_inputs=True: each rank passes its own rows, as DDP's
    loader does).
 
-Models (Llama-shaped blocks from bench/peer_speed.py, mean-square loss): narrow and deep
+Models (Llama-shaped blocks from bench/_blocks.py, mean-square loss): narrow and deep
 (8 x 128), the issue's shape (4 x 256) and wide and shallow (1 x 1024). One torch thread
 per rank on every side; the sides take turns step by step (bench/_timing.py). Prints one
 line per row with the medians (slowest rank) and the ratio autopar/peer, and last
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from _launch import launch  # noqa: E402
 from _timing import median_steps_s  # noqa: E402
-from peer_speed import Model  # noqa: E402
+from _blocks import Model  # noqa: E402
 
 SHAPES = {  # name -> (layers, hidden, heads, ffn, global batch, seq): two rows per rank on 8
     "narrow-deep 8x128": (8, 128, 2, 384, 16, 128),
