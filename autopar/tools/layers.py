@@ -97,7 +97,10 @@ def _placed(plan: Plan) -> dict[str, tuple[str, int]]:
 
 def layer_rows(plan: Plan) -> list[LayerRow]:
     """The layer table's rows in program order (a row starts where its first node is placed)."""
-    where = _placed(plan)
+    return _rows(plan, _placed(plan))
+
+
+def _rows(plan: Plan, where: dict[str, tuple[str, int]]) -> list[LayerRow]:
     starts: dict[str, int] = {}
     for row, i in where.values():
         starts[row] = min(starts.get(row, i), i)
@@ -206,17 +209,14 @@ def _tally(edges: list[EdgePlan]) -> tuple[tuple[str, int], ...]:
 
 def layer_graph(plan: Plan, collapse: bool = True) -> LayerGraph:
     """The plan as boxes and links (module docstring); `collapse=False` keeps every block a box."""
-    rows = layer_rows(plan)
-    runs = _runs(rows, collapse)
+    where = _placed(plan)
+    runs = _runs(_rows(plan, where), collapse)
     box_of_row = {row.name: _run_name(run) for run in runs for row in run}
-    row = row_of(plan)
-    box_of = {node: box_of_row[r] for node, r in row.items()}
+    box_of = {node: box_of_row[row] for node, (row, _) in where.items()}
     inside: dict[str, list[EdgePlan]] = {}
     between: dict[tuple[str, str], list[EdgePlan]] = {}
     for e in plan.edges:
-        a, b = box_of.get(e.producer), box_of.get(e.consumer)
-        if a is None or b is None:
-            continue
+        a, b = box_of[e.producer], box_of[e.consumer]
         if a == b:
             inside.setdefault(a, []).append(e)
         else:
@@ -235,3 +235,27 @@ def layer_graph(plan: Plan, collapse: bool = True) -> LayerGraph:
                             sum(e.comm_s for e in edges))
                   for (a, b), edges in sorted(between.items(), key=lambda kv: (order[kv[0][0]], order[kv[0][1]])))
     return LayerGraph(tuple(boxes), links)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a drawing puts a link: from box `source` to box `target` (their places in the
+    column), straight down when they are neighbours (lane 0), else an arc on the right in
+    lane 1, 2, ..., the links that skip fewest boxes innermost."""
+
+    link: LayerLink
+    source: int
+    target: int
+    lane: int
+
+
+def routes(graph: LayerGraph) -> list[Route]:
+    """Every link's route, inner lanes first (what the HTML report and the matplotlib figure draw)."""
+    index = {b.name: i for i, b in enumerate(graph.boxes)}
+    out, lane = [], 0
+    for link in sorted(graph.links, key=lambda k: abs(index[k.target] - index[k.source])):
+        a, b = index[link.source], index[link.target]
+        if b != a + 1:
+            lane += 1
+        out.append(Route(link, a, b, 0 if b == a + 1 else lane))
+    return out

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 from autopar.core.kinds import NodeKind
 from autopar.core.plan import Plan
 from autopar.cost_models.devices import PRESETS
-from autopar.tools.layers import LayerBox, LayerGraph
+from autopar.tools.layers import LayerBox, LayerGraph, routes
 from autopar.tools.palette import CAPACITY, COMMUNICATION, MEMORY_COLOURS, placement_colour, text_colour
 
 MIB, GIB = 2**20, 2**30
@@ -256,27 +256,25 @@ def layer_graph_svg(graph: LayerGraph) -> str:
     """The boxes in a column in program order; a link between neighbours is an arrow between
     them, one that skips boxes an arc on the right. Links that move bytes are red and
     labelled with their collectives; the rest grey."""
-    top = {b.name: 10 + i * (BOX_H + BOX_GAP) for i, b in enumerate(graph.boxes)}
-    index = {b.name: i for i, b in enumerate(graph.boxes)}
+    top = [10 + i * (BOX_H + BOX_GAP) for i in range(len(graph.boxes))]
     out = ['<defs><marker id="arrow" viewBox="0 0 8 8" refX="7" refY="4" markerWidth="7" markerHeight="7" '
            'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#666"/></marker></defs>']
-    out += [_box(b, top[b.name]) for b in graph.boxes]
-    right, lane = BOX_X + BOX_W, 0
-    for link in sorted(graph.links, key=lambda k: abs(index[k.target] - index[k.source])):
+    out += [_box(b, y) for b, y in zip(graph.boxes, top)]
+    right = BOX_X + BOX_W
+    for route in routes(graph):
+        link = route.link
         colour, width = (COMMUNICATION, 2.0) if link.communicates else ("#999", 1.0)
         tip = f"{link.source} -> {link.target}: {link.edges} edges" + (
             f"; {link.label(most=len(link.collectives))}" if link.communicates else ", no collective")
-        a, b = index[link.source], index[link.target]
-        if b == a + 1:  # neighbours: straight down the column
-            x, y0, y1 = BOX_X + BOX_W / 2, top[link.source] + BOX_H, top[link.target]
+        if route.lane == 0:  # neighbours: straight down the column
+            x, y0, y1 = BOX_X + BOX_W / 2, top[route.source] + BOX_H, top[route.target]
             out.append(f'<g class="link"><title>{html.escape(tip)}</title><line x1="{x}" y1="{y0}" x2="{x}" '
                        f'y2="{y1 - 1}" stroke="{colour}" stroke-width="{width}" marker-end="url(#arrow)"/>'
                        + (_text(x + 8, (y0 + y1) / 2 + 4, link.label(), 11, fill=COMMUNICATION)
                           if link.communicates else "") + "</g>")
             continue
-        lane += 1
-        x = right + 12 + lane * ARC_STEP
-        y0, y1 = top[link.source] + BOX_H / 2, top[link.target] + BOX_H / 2
+        x = right + 12 + route.lane * ARC_STEP
+        y0, y1 = top[route.source] + BOX_H / 2, top[route.target] + BOX_H / 2
         out.append(f'<g class="link"><title>{html.escape(tip)}</title><path d="M{right},{y0} H{x} V{y1} H{right + 2}" '
                    f'fill="none" stroke="{colour}" stroke-width="{width}" marker-end="url(#arrow)"/>'
                    + (_text(x + 4, (y0 + y1) / 2, link.label(), 11, fill=COMMUNICATION)

@@ -21,7 +21,7 @@ import networkx as nx
 from autopar.core.kinds import NodeKind
 from autopar.core.placement import Partial, Shard, Spec
 from autopar.core.plan import Plan
-from autopar.tools.layers import layer_graph, layer_key
+from autopar.tools.layers import layer_graph, layer_key, routes
 from autopar.tools.palette import COMMUNICATION, COMPUTE, MEMORY_COLOURS, placement_colour, text_colour
 
 
@@ -143,7 +143,6 @@ def layer_graph_figure(plan: Plan, collapse: bool = True):
     that skips boxes; links with collectives red and labelled."""
     plt = _plt()
     graph = layer_graph(plan, collapse)
-    index = {b.name: i for i, b in enumerate(graph.boxes)}
     fig, ax = plt.subplots(figsize=(11, 0.6 + 0.62 * len(graph.boxes)))
     for i, b in enumerate(graph.boxes):
         fill = placement_colour(b.placement) if b.placement else "#ffffff"
@@ -152,24 +151,24 @@ def layer_graph_figure(plan: Plan, collapse: bool = True):
         inner = f", inside {b.inner_s * 1e3:.3f} ms comm" if b.inner else ""
         ax.text(0.08, -i, f"{name}\ncompute {b.compute_s * 1e3:.3f} ms{inner}", va="center", fontsize=7,
                 color=text_colour(fill))
-    lane = 0
-    for link in sorted(graph.links, key=lambda k: abs(index[k.target] - index[k.source])):
-        a, c = index[link.source], index[link.target]
+    lanes = 0
+    for route in routes(graph):
+        link, a, c = route.link, route.source, route.target
         colour, width = (COMMUNICATION, 1.8) if link.communicates else ("#999999", 0.8)
         label = link.label() if link.communicates else ""
-        if c == a + 1:
+        if route.lane == 0:
             ax.annotate("", xy=(2, -c + 0.35), xytext=(2, -a - 0.35),
                         arrowprops=dict(arrowstyle="->", color=colour, lw=width))
             if label:
                 ax.text(2.08, -a - 0.5, label, fontsize=6, color=COMMUNICATION, va="center")
             continue
-        lane += 1
-        x = 4.15 + 0.12 * lane
+        lanes = max(lanes, route.lane)
+        x = 4.15 + 0.12 * route.lane
         ax.plot([4, x, x], [-a, -a, -c], color=colour, lw=width)
         ax.annotate("", xy=(4, -c), xytext=(x, -c), arrowprops=dict(arrowstyle="->", color=colour, lw=width))
         if label:
             ax.text(x + 0.05, -(a + c) / 2, label, fontsize=6, color=COMMUNICATION, va="center")
-    ax.set_xlim(-0.1, 4.6 + 0.12 * lane + 3.5)
+    ax.set_xlim(-0.1, 4.6 + 0.12 * lanes + 3.5)
     ax.set_ylim(-len(graph.boxes) + 0.4, 0.6)
     ax.set_title(f"{plan.model_name} on mesh {mesh_label(plan)}: layers and the collectives between them",
                  fontsize=9)
