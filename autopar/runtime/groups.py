@@ -29,6 +29,7 @@ from autopar.core.errors import MeshError, ProcessGroupError
 from autopar.core.log import LOG
 from autopar.core.mesh import Mesh
 from autopar.runtime.collectives import AxisComm
+from autopar.runtime.serial_gloo import serial_gloo
 from autopar.runtime.teardown import take_down_at_exit
 
 
@@ -150,7 +151,9 @@ def stage_ranks(mesh: Mesh, axis: int, coordinate: int) -> tuple[int, ...]:
 
 
 def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """NCCL for CUDA tensors; for CPU ones gloo with one worker thread per group
+    (serial_gloo.py: gloo's default two corrupt the heap with collectives in flight)."""
+    return "nccl" if device.type == "cuda" else serial_gloo()
 
 
 def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, timeout_s: float,
@@ -163,10 +166,11 @@ def _make_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, time
     timeout = timedelta(seconds=timeout_s)
     # the input agreement's group: gloo whatever the backend, so that checking a call's
     # inputs never waits on a GPU stream
-    span = dist.new_group(list(glob), backend="gloo", timeout=timeout) if axes is None else None
+    cpu = serial_gloo()
+    span = dist.new_group(list(glob), backend=cpu, timeout=timeout) if axes is None else None
     whole = None
     if ranks and axes is None:
-        whole = span if backend == "gloo" else dist.new_group(list(glob), backend=backend, timeout=timeout)
+        whole = span if backend == cpu else dist.new_group(list(glob), backend=backend, timeout=timeout)
     comms, groups = [], []
     coords = mesh.coords(rank) if rank >= 0 else (0,) * mesh.ndim
     for axis, size in enumerate(mesh.shape):
