@@ -3,15 +3,15 @@ by it, else on as many spawned processes as the mesh has devices."""
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import tempfile
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
-import torch
 import torch.multiprocessing as mp
+
+from autopar import _compat
 
 
 def mesh_size(mesh: str) -> int:
@@ -34,9 +34,7 @@ def run_then_leave(run: Callable, args: Any) -> None:
     restarts a run that had finished. So a run that ended well meets at a barrier before
     destroying its group; one that failed leaves at once (its peers time out or are
     stopped by the agent)."""
-    # a rank killed by a signal prints where each thread was: Python frames, then native ones
-    faulthandler.enable(all_threads=True)
-    torch._C._set_print_stack_traces_on_fatal_signal(True)
+    _compat.report_fatal_signals()  # a rank killed by a signal prints where each thread was, native frames too
     finished = False
     try:
         run(dist.get_rank(), dist.get_world_size(), args)

@@ -54,8 +54,9 @@ def test_verify_passes_a_correct_plan_and_names_a_corrupted_one(four_ranks):
 
 
 def test_a_rank_killed_by_a_signal_reports_native_frames_of_every_thread(tmp_path):
-    # what the next unexplained crash of a gloo rank (docs/how-it-works.md) will leave in
-    # the log: Python frames (faulthandler), then c10's native frames of each thread
+    # what a rank that dies in C++ leaves in the log: Python frames (faulthandler), then
+    # c10's native frames of each thread (how the gloo heap corruption of
+    # docs/how-it-works.md was traced to gloo's worker threads)
     from torch.multiprocessing import ProcessExitedException
     log = tmp_path / "rank0.err"
     with pytest.raises(ProcessExitedException, match="SIGSEGV"):
