@@ -326,17 +326,25 @@ def test_only_inputs_as_long_as_the_sequence_are_split_by_it():
 
 def test_dominance_reads_exact_differences_where_the_cheap_bound_leaves_a_chance():
     """The pairwise worst differences equal the full table's entries, and the cheap
-    bound (difference of the rows' least prices) never exceeds them."""
+    bound (the worst difference over probe columns) never exceeds them nor falls below
+    the difference of the rows' least prices."""
     from autopar.cost_models.edge_prices import INF
-    from autopar.passes.solve.dominance import _least_difference, _pair_worst_difference, _worst_difference
+    from autopar.passes.solve.dominance import PROBE_COLUMNS, _pair_worst_difference, _probed_difference, \
+        _worst_difference
     g = torch.Generator().manual_seed(0)
-    b = torch.rand(23, 7, generator=g, dtype=torch.float64)
+    width = PROBE_COLUMNS + 5  # more columns than probes, so the bound is not the exact table
+    b = torch.rand(23, width, generator=g, dtype=torch.float64)
     b[b > 0.8] = INF  # columns a choice cannot meet
     b[3] = INF  # a choice that meets none
     full = _worst_difference(b)
     j, i = torch.meshgrid(torch.arange(23), torch.arange(23), indexing="ij")
     assert torch.equal(_pair_worst_difference(b, j.flatten(), i.flatten()), full.flatten())
-    bound = _least_difference(b)
+    bound = _probed_difference(b)
     finite = torch.isfinite(full)
     assert bool((bound[finite] <= full[finite]).all())
     assert bool((bound[full == -INF] == -INF).all())
+    lowest = b.min(1).values
+    least = lowest[:, None] - lowest[None, :]
+    met = torch.isfinite(least)
+    assert bool((bound[met] >= least[met]).all())
+    assert bool((bound < full)[finite].any()), "the probes were every column: the bound was never cheap"

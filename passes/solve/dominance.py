@@ -43,6 +43,9 @@ from autopar.cost_models.edge_prices import INF, EdgePricer
 from autopar.passes.solve.ilp import IlpModel, edge_classes, forward_prices
 
 MAX_CELLS = 1 << 24  # compare at most this many profile entries at once (a few tens of MB)
+# columns each edge's cheap bound compares besides each choice's cheapest (_probed_difference)
+PROBE_COLUMNS = 4
+SLACK = 1e-9  # relative: what a sum of float64 prices may differ by when added in another order
 
 
 def prune_dominated(model: IlpModel, pricer: EdgePricer, with_memory: bool,
@@ -186,17 +189,25 @@ def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
         maybe &= m[:, None] <= m[None, :]
     if extra is not None:
         maybe &= extra.no_worse(g, live, nbytes, alive)
-    # D(j, i) is at least own + sum k (min_r b[j, r] - min_r b[i, r]) (i's cheapest column
-    # costs j no less than j's cheapest): the exact D is computed only where that bound
-    # leaves j a chance, with the same additions in the same order
-    bound = own.clone()
-    for b, k in blocks:
-        bound += k * _least_difference(b)
-    j, i = (maybe & (bound <= 0)).nonzero(as_tuple=True)
-    gain = own[j, i]
-    for b, k in blocks:
-        gain += k * _pair_worst_difference(b, j, i)
-    return live[i[gain <= 0].unique()].tolist()
+    # D(j, i) is at least own + sum k * (the worst difference over a few probe columns):
+    # the exact D is computed only for pairs that bound leaves j a chance, edge by edge,
+    # each exact term replacing its probe bound and dropping the pairs it rules out. The
+    # exact terms are added in the same order whatever survives, so D is the same sum
+    probes = [k * _probed_difference(b) for b, k in blocks]
+    bound = own + sum(probes, torch.zeros(n, n, dtype=torch.float64))
+    # a pair leaves once its bound is positive beyond rounding (the bound's sums associate
+    # differently from the exact D's): by more than SLACK of the terms' magnitudes
+    scale = own.abs() + sum((p.abs().nan_to_num(posinf=0.0) for p in probes), torch.zeros(n, n, dtype=torch.float64))
+    j, i = (maybe & (bound <= SLACK * scale)).nonzero(as_tuple=True)
+    gain, scale = own[j, i], scale[j, i]
+    for t, (b, k) in enumerate(blocks):
+        gain = gain + k * _pair_worst_difference(b, j, i)
+        rest = sum((p[j, i] for p in probes[t + 1:]), torch.zeros(len(j), dtype=torch.float64))
+        chance = gain + rest <= (SLACK * scale if t + 1 < len(blocks) else 0.0)  # the last: D <= 0 itself
+        j, i, gain, scale = j[chance], i[chance], gain[chance], scale[chance]
+    if not blocks:
+        j, i = j[gain <= 0], i[gain <= 0]
+    return live[i.unique()].tolist()
 
 
 @dataclass(frozen=True)
@@ -242,12 +253,21 @@ def _recompute_terms(model: IlpModel, pricer: EdgePricer, forward: EdgePricer) -
     return RecomputeTerms(forward_s, dropped, _by_group(list(tables.values())))
 
 
-def _least_difference(b: torch.Tensor) -> torch.Tensor:
-    """[j, i] -> min_r b[j, r] - min_r b[i, r], a lower bound of _worst_difference; -INF
-    where i meets no column (as the worst difference is there)."""
-    lowest = b.min(1).values
-    out = lowest[:, None] - lowest[None, :]
-    return torch.where(lowest[None, :] == INF, -INF, out)
+def _probed_difference(b: torch.Tensor) -> torch.Tensor:
+    """[j, i] -> max over probe columns r that i can meet of b[j, r] - b[i, r]: a lower
+    bound of _worst_difference (a max over fewer columns). The probes are i's cheapest
+    column, which makes the bound no looser than min_r b[j, r] - min_r b[i, r], and the
+    PROBE_COLUMNS columns whose prices differ most between choices. -INF where i meets none."""
+    n, width = b.shape
+    cheapest = b.argmin(1)
+    own = b[torch.arange(n), cheapest]
+    out = torch.where((own < INF)[None, :], b[:, cheapest] - own[None, :], -INF)
+    reachable = b < INF
+    spread = torch.where(reachable, b, -INF).max(0).values - torch.where(reachable, b, INF).min(0).values
+    for r in spread.topk(min(PROBE_COLUMNS, width)).indices.tolist():
+        col = b[:, r]
+        out = torch.maximum(out, torch.where((col < INF)[None, :], col[:, None] - col[None, :], -INF))
+    return out
 
 
 def _pair_worst_difference(b: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
