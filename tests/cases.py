@@ -69,7 +69,10 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
             if style else None
         bound = {}
         if budget:
-            free = autopar.plan(m, args, kwargs, mesh=mesh, device=dev, memory_budget_bytes=None).memory_bytes
+            # the unbounded plan's memory, planned once on rank 0 (every rank planning it
+            # costs the spawn each rank's solve on 2 shared cores)
+            free = _planned_on_rank0(
+                lambda: autopar.plan(m, args, kwargs, mesh=mesh, device=dev, memory_budget_bytes=None).memory_bytes)
             bound = {"memory_budget_bytes": int(free * budget)}
         pm = autopar.compile(m, args, kwargs, mesh=mesh, device=dev, plan=plan, **bound)
     loss = _loss(pm(*args, **kwargs))

@@ -3,7 +3,8 @@
 Ranks start from a fork server that has imported torch, transformers and autopar once
 per test session (START_METHOD), so a rank does not pay those imports again; the server
 itself never runs a torch op, so no thread pool or process group is forked. Each spawn
-still costs a second or two, so a test batches many cases into one spawn. A case is a module-level function `case(rank, world, **kw) -> dict`
+still costs a second or two, so a test batches many cases into one spawn
+(AUTOPAR_TEST_CASE_TIMES=1 prints each case's seconds on rank 0). A case is a module-level function `case(rank, world, **kw) -> dict`
 that builds its model from a fixed seed and returns tensors; the parent compares."""
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, cases: list[tu
     results: list[Any] = []
     try:
         for fn, kw in cases:
+            started = time.perf_counter()
             try:
                 results.append(fn(rank, world, **kw))
             except Exception:  # noqa: BLE001 - reported to the parent test with the traceback
                 results.append({"error": traceback.format_exc()})
                 break
+            if rank == 0 and os.environ.get("AUTOPAR_TEST_CASE_TIMES"):  # where a spawn's minutes go
+                print(f"{time.perf_counter() - started:7.2f} s  {fn.__name__} {kw}", file=sys.stderr, flush=True)
             unwaited = unwaited_collectives()
             if unwaited:  # its output may be freed while gloo still writes it
                 results.append({"error": f"{fn.__name__} left {unwaited} collectives launched and never waited"})
