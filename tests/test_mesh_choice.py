@@ -46,6 +46,31 @@ def test_a_big_batch_on_the_cpu_preset_chooses_data_parallelism_the_cheapest_lis
     assert Plan.from_dict(plan.to_dict()).mesh_candidates == plan.mesh_candidates
 
 
+def test_a_candidate_the_time_limit_stopped_is_listed_as_not_proven(tmp_path):
+    """A candidate whose solve a time limit cut short says so, with the bound the solver
+    proved, in explain_mesh, the summary and the plan file. (Which solve a real limit
+    stops depends on the machine's speed, so the stopped solve's report is made here.)"""
+    from dataclasses import replace
+
+    from autopar.core.plan_parts import MeshCandidate
+    from autopar.passes.plan.mesh_choice import _unproven_bound
+    plan = _chosen(MLP().train(), (torch.randn(64, 16),), device="cpu")
+    assert plan.solver.status == "Optimal" and _unproven_bound(plan) is None
+    assert all(c.bound_s is None for c in plan.mesh_candidates)
+    stopped = replace(plan, solver=replace(plan.solver, status="Feasible (time limit 0.1 s)", bound_s=plan.total_s / 2))
+    assert _unproven_bound(stopped) == pytest.approx(plan.total_s / 2)
+    assert _unproven_bound(replace(stopped, solver=replace(stopped.solver, bound_s=None))) == 0.0
+    other = next(c for c in plan.mesh_candidates if c.shape != plan.mesh.shape)
+    cut = MeshCandidate(other.shape, other.step_s, other.memory_bytes, bound_s=_unproven_bound(stopped))
+    listed = replace(plan, mesh_candidates=tuple(cut if c.shape == other.shape else c for c in plan.mesh_candidates))
+    text = listed.explain_mesh()
+    assert f"no plan of it is under {plan.total_s / 2 * 1e3:.3f} ms" in text and text.count("not proven") == 1
+    assert "1 of them not solved to a proven optimum" in listed.summary()
+    path = tmp_path / "plan.json"
+    listed.to_json(path)
+    assert Plan.from_json(path).mesh_candidates == listed.mesh_candidates
+
+
 @pytest.mark.slow  # six budgeted solves of GPT-2
 def test_a_tight_budget_chooses_a_model_parallel_mesh():
     # GPT-2 on the CPU preset keeps every weight whole; at half its footprint the weights

@@ -122,8 +122,10 @@ class Plan:
         if self.links:
             lines.append("  links: " + "; ".join(f"axis {a} {link}" for a, link in enumerate(self.links)))
         if self.mesh_candidates:
-            lines.append(f"  mesh: {self.mesh.shape} chosen, the cheapest of {len(self.mesh_candidates)} tried "
-                         "(plan.explain_mesh() lists them)")
+            unproven = sum(c.bound_s is not None for c in self.mesh_candidates)
+            lines.append(f"  mesh: {self.mesh.shape} chosen, the cheapest of {len(self.mesh_candidates)} tried"
+                         + (f", {unproven} of them not solved to a proven optimum" if unproven else "")
+                         + " (plan.explain_mesh() lists them)")
         if self.unruled_ops:
             lines.append(f"  replicated for want of a rule: {', '.join(self.unruled_ops)}")
         if self.discovered_ops:

@@ -27,8 +27,8 @@ Schema version 1 (keys of the top-level object):
     recompute         [{name, nodes: [node]}]: blocks recomputed in backward (absent: none)
     links             [{kind: "intra" | "inter", name, alpha_s, beta_s_per_byte}]: per mesh axis, the link
                       its collectives were priced with (absent in older files: none recorded)
-    mesh_candidates   [{shape, step_s, memory_bytes, refusal}]: mesh="auto"'s tries (absent or empty:
-                      the mesh was given)
+    mesh_candidates   [{shape, step_s, memory_bytes, refusal, bound_s}]: mesh="auto"'s tries (absent or
+                      empty: the mesh was given; bound_s null or absent: the candidate's plan was proven its best)
     nodes             [{name, op, kind, module, group, inputs: [spec], outputs: [spec], compute_s,
                         alternatives, options: [{inputs: ["S(0)R", ..], outputs: [..], compute_s,
                         reshard_in_s, reshard_out_s}], saved: [bool] per output kept for backward
@@ -181,7 +181,8 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             pipeline=pipeline_from_json(d["pipeline"]) if "pipeline" in d else None,
             stage_plans=tuple(d.get("stage_plans", ())),
             mesh_candidates=tuple(MeshCandidate(tuple(int(n) for n in c["shape"]), _maybe(float, c["step_s"]),
-                                                _maybe(int, c["memory_bytes"]), str(c.get("refusal", "")))
+                                                _maybe(int, c["memory_bytes"]), str(c.get("refusal", "")),
+                                                _maybe(float, c.get("bound_s")))
                                   for c in d.get("mesh_candidates", ())))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{source} is a damaged autopar plan: {type(e).__name__}: {e}. {REMEDY}") from e

@@ -120,8 +120,16 @@ class MeshCandidate:
     step_s: Optional[float]  # None: refused
     memory_bytes: Optional[int]
     refusal: str = ""
+    # the solver's proven lower bound where it stopped short of proving its plan the
+    # cheapest of the mesh (a time limit): a plan of this mesh may cost as little as this.
+    # None: proven (or no bound)
+    bound_s: Optional[float] = None
 
     def __str__(self) -> str:
         if self.step_s is None:
             return f"{self.shape}: {self.refusal}"
-        return f"{self.shape}: step {self.step_s * 1e3:.3f} ms, memory {(self.memory_bytes or 0) / 2**20:.2f} MiB"
+        out = f"{self.shape}: step {self.step_s * 1e3:.3f} ms, memory {(self.memory_bytes or 0) / 2**20:.2f} MiB"
+        if self.bound_s is not None:  # Options.time_limit_s stopped the solver
+            out += " (not proven the mesh's best: the solver stopped at its time limit"
+            out += f"; no plan of it is under {self.bound_s * 1e3:.3f} ms)" if self.bound_s > 0 else ")"
+        return out

@@ -26,6 +26,7 @@ from autopar.core.plan import Plan
 from autopar.core.plan_parts import MeshCandidate
 from autopar.passes.plan.planner import plan_graph
 from autopar.passes.plan.planning import DeviceMemoryWarning, planning_inputs, warn_over_memory
+from autopar.passes.solve.solver_backend import SolveStatus
 from autopar.passes.trace.trace import TracedGraph, trace
 
 MAX_AXES = 3
@@ -86,7 +87,7 @@ def chosen_plan(traced: TracedGraph, devices: int, options: Options) -> Plan:
         except SolverError as e:  # a MemoryBudgetError among them
             tried.append(MeshCandidate(mesh.shape, None, None, f"{type(e).__name__}: {e}"))
             continue
-        tried.append(MeshCandidate(mesh.shape, plan.total_s, plan.memory_bytes))
+        tried.append(MeshCandidate(mesh.shape, plan.total_s, plan.memory_bytes, bound_s=_unproven_bound(plan)))
         if best is None or plan.total_s < best.total_s:
             best = plan
     if best is None:
@@ -94,6 +95,14 @@ def chosen_plan(traced: TracedGraph, devices: int, options: Options) -> Plan:
                           + "\n".join(f"  {c}" for c in tried))
     warn_over_memory(best, options)
     return replace(best, mesh_candidates=tuple(tried))
+
+
+def _unproven_bound(plan: Plan) -> Optional[float]:
+    """None where the solver proved `plan` its mesh's cheapest; else the lower bound it
+    proved (0.0 where it proved none)."""
+    if plan.solver.status == SolveStatus.OPTIMAL.value:
+        return None
+    return plan.solver.bound_s or 0.0
 
 
 def plan_mesh_choice(model: nn.Module, args: Any, kwargs: Optional[dict], devices: int, options: Options) -> Plan:
