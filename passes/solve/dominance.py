@@ -200,13 +200,14 @@ def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
     scale = own.abs() + sum((p.abs().nan_to_num(posinf=0.0) for p in probes), torch.zeros(n, n, dtype=torch.float64))
     j, i = (maybe & (bound <= SLACK * scale)).nonzero(as_tuple=True)
     gain, scale = own[j, i], scale[j, i]
+    # rest[t]: the probe bounds of the edges after edge t summed (0 after the last edge).
+    # Without edges the test above is exact: own <= SLACK * |own| only where own <= 0
+    rest = torch.stack([p[j, i] for p in probes] + [torch.zeros(len(j), dtype=torch.float64)])
+    rest = rest.flip(0).cumsum(0).flip(0)[1:]
     for t, (b, k) in enumerate(blocks):
         gain = gain + k * _pair_worst_difference(b, j, i)
-        rest = sum((p[j, i] for p in probes[t + 1:]), torch.zeros(len(j), dtype=torch.float64))
-        chance = gain + rest <= (SLACK * scale if t + 1 < len(blocks) else 0.0)  # the last: D <= 0 itself
-        j, i, gain, scale = j[chance], i[chance], gain[chance], scale[chance]
-    if not blocks:
-        j, i = j[gain <= 0], i[gain <= 0]
+        chance = gain + rest[t] <= (SLACK * scale if t + 1 < len(blocks) else 0.0)  # the last: D <= 0 itself
+        j, i, gain, scale, rest = j[chance], i[chance], gain[chance], scale[chance], rest[:, chance]
     return live[i.unique()].tolist()
 
 
@@ -260,8 +261,8 @@ def _probed_difference(b: torch.Tensor) -> torch.Tensor:
     PROBE_COLUMNS columns whose prices differ most between choices. -INF where i meets none."""
     n, width = b.shape
     cheapest = b.argmin(1)
-    own = b[torch.arange(n), cheapest]
-    out = torch.where((own < INF)[None, :], b[:, cheapest] - own[None, :], -INF)
+    least = b[torch.arange(n), cheapest]
+    out = torch.where((least < INF)[None, :], b[:, cheapest] - least[None, :], -INF)
     reachable = b < INF
     spread = torch.where(reachable, b, -INF).max(0).values - torch.where(reachable, b, INF).min(0).values
     for r in spread.topk(min(PROBE_COLUMNS, width)).indices.tolist():
