@@ -109,7 +109,8 @@ class Plan:
                if self.solver.bound_s is not None else " (no bound proven)") + ", "
             f"{self.solver.variables} variables, {self.solver.constraints} constraints, "
             f"{self.solver.solve_time_s:.2f} s"
-            + (f", {self.solver.shared_blocks} repeated blocks sharing variables" if self.solver.shared_blocks else ""),
+            + (f", {self.solver.shared_blocks} repeated blocks sharing variables" if self.solver.shared_blocks else "")
+            + (f", started from {self.solver.start}" if self.solver.start else ""),
         ]
         if self.recompute:
             lines.append(f"  recomputed in backward: {', '.join(b.name for b in self.recompute)}")

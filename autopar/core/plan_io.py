@@ -15,7 +15,8 @@ Schema version 1 (keys of the top-level object):
     device            cost-model preset or profile name
     predicted         {compute_s, comm_s, hidden_s, param_bytes, activation_bytes, state_bytes, memory_bytes}: per rank
     solver            {solver, status, objective_s, gap, solve_time_s, variables, constraints, groups,
-                       shared_blocks (absent in older files: 0)}
+                       shared_blocks (absent in older files: 0), bound_s, start (the plan the
+                       solver started from; absent in older files: "")}
     unruled_ops       ops replicated for want of a rule
     discovered_ops    ops sharded by rules found by experiment (absent in older files)
     routing_notes     why a sort by expert was not made a routed_experts op (absent in older files)

@@ -98,6 +98,8 @@ class SolverReport:
     # a proven lower bound on the objective: no plan in the search space is cheaper under
     # the cost model (None where the solver proved none)
     bound_s: Optional[float] = None
+    # the plan the solver started from (passes/solve/warm_start.py); "" when it started from nothing
+    start: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from autopar.core.plan_parts import MeshCandidate
 from autopar.passes.plan.planner import plan_graph
 from autopar.passes.plan.planning import DeviceMemoryWarning, planning_inputs, warn_over_memory
 from autopar.passes.solve.solver_backend import SolveStatus
+from autopar.passes.solve.warm_start import merged_axes
 from autopar.passes.trace.trace import TracedGraph, trace
 
 MAX_AXES = 3
@@ -79,14 +80,17 @@ def chosen_plan(traced: TracedGraph, devices: int, options: Options) -> Plan:
     check_mesh_request(options)
     tried: list[MeshCandidate] = []
     best: Optional[Plan] = None
+    planned: dict[tuple[int, ...], Plan] = {}  # a three-axis candidate starts from its merged mesh's plan
     for mesh in mesh_candidates(devices, options.nodes):
+        merged = merged_axes(mesh)
         try:
             with warnings.catch_warnings():  # the plan returned warns, once (below)
                 warnings.simplefilter("ignore", DeviceMemoryWarning)
-                plan = plan_graph(traced, mesh, options)
+                plan = plan_graph(traced, mesh, options, coarse=planned.get(merged[0].shape) if merged else None)
         except SolverError as e:  # a MemoryBudgetError among them
             tried.append(MeshCandidate(mesh.shape, None, None, f"{type(e).__name__}: {e}"))
             continue
+        planned[mesh.shape] = plan
         tried.append(MeshCandidate(mesh.shape, plan.total_s, plan.memory_bytes, bound_s=_unproven_bound(plan)))
         if best is None or plan.total_s < best.total_s:
             best = plan

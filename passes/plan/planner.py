@@ -43,11 +43,12 @@ from autopar.passes.trace.trace import TracedGraph, trace
 
 def plan_graph(traced: TracedGraph, mesh: Mesh, options: Options,
                pinned: Optional[dict[str, tuple[Placement, ...]]] = None, local: Optional[LocalBuffers] = None,
-               solve: Optional[SolveGraph] = None) -> Plan:
+               solve: Optional[SolveGraph] = None, coarse: Optional[Plan] = None) -> Plan:
     """`pinned`: layouts the plan must keep (a later plan of a module's shards); `local`:
     buffers each rank keeps its block of, whose layout is chosen among candidates
-    (passes/plan/buffer_layouts.py)."""
-    solve = solve or (lambda graph: plan_annotated(graph, options))
+    (passes/plan/buffer_layouts.py); `coarse`: the plan of `mesh` with two axes merged,
+    where the caller has it (plan_annotated starts the solver from it)."""
+    solve = solve or (lambda graph: plan_annotated(graph, options, coarse=coarse))
     if local is not None:
         plan = plan_local_buffers(traced, mesh, options, pinned, local, solve)
     else:

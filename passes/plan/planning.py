@@ -20,7 +20,10 @@ from autopar.cost_models.devices import DeviceSpec, budget_words, preset
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
 from autopar.cost_models.profile import Profile, compute_key, program_key
+from autopar.core.errors import SolverError
 from autopar.passes.solve.solve import solve
+from autopar.passes.solve.solver_backend import solver_name
+from autopar.passes.solve.warm_start import StartingLayouts, merged_axes, refined
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace.trace import TracedGraph, trace
 
@@ -35,9 +38,13 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
     return graph, plan_annotated(graph, options, profile)
 
 
-def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Profile] = None) -> Plan:
+def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Profile] = None,
+                   coarse: Optional[Plan] = None) -> Plan:
     """The solve for a graph whose strategies are known (the profiler times those
-    strategies' ops first, so it annotates once and plans from the same graph)."""
+    strategies' ops first, so it annotates once and plans from the same graph). On a
+    mesh of three axes or more the solver starts from the plan of the mesh with two of
+    them merged (passes/solve/warm_start.py): `coarse` when it is that plan, else one
+    solved here first."""
     traced, mesh = graph.traced, graph.mesh
     training = traced.training if options.training is None else options.training
     costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
@@ -51,7 +58,7 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                         measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
                         compute_scale=profile.cpu_contention * in_program,
                         collective_sync_s=profile.collective_sync_s or 0.0)
-    plan = solve(graph, costs, options)
+    plan = solve(graph, costs, options, _warm_start(graph, options, coarse))
     if profile is not None:
         measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
         note = (f"profile of {profile.device} (torch {profile.torch_version}): {len(missed)} op timings "
@@ -64,6 +71,19 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     budget = budget_words(options.memory_budget_bytes, costs.device)
     note += f"; {budget}" if budget else ""
     return replace(plan, cost_note=note, links=axis_links(costs, mesh.link_kinds(options.nodes)))
+
+
+def _warm_start(graph: AnnotatedGraph, options: Options, coarse: Optional[Plan]) -> Optional[StartingLayouts]:
+    merged = merged_axes(graph.mesh)
+    if merged is None or solver_name(options) != "highs":  # CBC takes no start here
+        return None
+    mesh, axis = merged
+    if coarse is None or coarse.mesh.shape != mesh.shape:
+        try:
+            coarse = plan_annotated(annotate(graph.traced, mesh, None, options.discover_rules), options)
+        except SolverError:  # no plan on the merged mesh (its budget, say): the finer one starts from nothing
+            return None
+    return refined(coarse, axis)
 
 
 class DeviceMemoryWarning(UserWarning):

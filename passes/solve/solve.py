@@ -56,6 +56,7 @@ from autopar.core.routed import ROUTED_EXPERTS
 from autopar.passes.rules import Strategy
 from autopar.passes.trace.experts import routing_notes
 from autopar.passes.solve.solver_backend import Solution, SolveStatus, solve_program, solver_name
+from autopar.passes.solve.warm_start import StartingLayouts, starting_picks
 from autopar.passes.strategies.strategies import AnnotatedGraph, PlannedNode
 
 
@@ -175,27 +176,29 @@ def _backward_member(p: PlannedNode, consumer: str, position: int, graph: Annota
 
 # ---- 3. solve ---------------------------------------------------------------------
 
-def solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
+def solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Optional[StartingLayouts] = None
+          ) -> Plan:
     """The fastest plan within Options.memory_budget_bytes (MemoryBudgetError when none fits).
+    `start`: layouts to hand the solver as its first plan (passes/solve/warm_start.py).
     The default budget, "auto" (the detected device's memory), binds only where the
     fastest plan without it would not fit: that plan is solved first and kept when it
     fits (the same plan as with no bound, and a smaller ILP), else the bounded one is
     solved. A saved profile's plan is for its own device: "auto" bounds it by nothing."""
     if options.memory_budget_bytes != MEMORY_AUTO:
-        return _solve(graph, costs, options)
+        return _solve(graph, costs, options, start)
     bound = None if options.cost_model is CostSource.SAVED else memory_budget(MEMORY_AUTO, costs.device)
-    free = _solve(graph, costs, replace(options, memory_budget_bytes=None))
+    free = _solve(graph, costs, replace(options, memory_budget_bytes=None), start)
     if bound is None or free.memory_bytes <= bound:
         return free
     try:
-        return _solve(graph, costs, replace(options, memory_budget_bytes=bound))
+        return _solve(graph, costs, replace(options, memory_budget_bytes=bound), start)
     except MemoryBudgetError as e:
         raise MemoryBudgetError(e.budget_bytes, e.smallest_bytes, budget_words(MEMORY_AUTO, costs.device)) from None
 
 
 @logged("solve", lambda p: f"{p.solver.status}, {p.solver.variables} variables, "
                            f"step {p.total_s * 1e3:.3f} ms predicted")
-def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
+def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Optional[StartingLayouts]) -> Plan:
     """solve() under a budget of bytes, or None (no bound)."""
     # 1. price every node's strategies
     pricer = EdgePricer(costs)
@@ -221,21 +224,34 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options) -> Plan:
     # 3. the least time within the budget
     ilp = build_ilp(model, pricer, time_objective, budget, forward)
     name = solver_name(options)
-    solution = solve_program(ilp.program, options)
+    started = starting_picks(model, ilp.variables, start) if start is not None else {}
+    columns = tuple(ilp.variables.s[g][i] for g, i in started.items() if model.owner(g) == g)
+    solution = solve_program(ilp.program, options, columns)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
         raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
-    # 4. read the choice back
-    picks = _picks(ilp, solution, name)
+    # 4. read the choice back; where the solver stopped with nothing, the start when it is
+    # whole and needs no budget checked (warm_start.py)
+    fallback = solution.status is SolveStatus.NOT_SOLVED and len(started) == len(model.leaders) and budget is None
+    picks = started if fallback else _picks(ilp, solution, name)
     if budget is not None:  # memory counts: of equally fast layouts, the smaller
         picks = prefer_smaller(model, picks, pricer, keep)
     status = solution.status.value
     if solution.status is not SolveStatus.OPTIMAL:
-        status = f"{status} (time limit {options.time_limit_s} s)"
+        status = f"{status} (time limit {options.time_limit_s} s)" + (": the plan started from" if fallback else "")
     report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
                           ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks,
-                          None if solution.bound is None else solution.bound / US)
-    return read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
-                     _recomputed(model, ilp, solution), least, least_fwd)
+                          None if solution.bound is None else solution.bound / US,
+                          _started(start, len(columns), ilp.variables.groups, name))
+    plan = read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
+                     () if fallback else _recomputed(model, ilp, solution), least, least_fwd)
+    return replace(plan, solver=replace(report, objective_s=plan.total_s)) if fallback else plan
+
+
+def _started(start: Optional[StartingLayouts], set_groups: int, groups: int, solver: str) -> str:
+    """SolverReport.start's words: the plan started from and how many groups it set."""
+    if start is None or solver != "highs":  # CBC is given no start
+        return ""
+    return f"the {start.source} plan's layouts, for {set_groups} of {groups} groups"
 
 
 def _recompute_groups(model: IlpModel) -> frozenset[str]:

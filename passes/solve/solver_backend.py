@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -110,12 +110,14 @@ def solver_name(options: Options) -> str:
     return "cbc"
 
 
-def solve_program(program: LinearProgram, options: Options) -> Solution:
-    """Solve with the solver Options picks, within Options.time_limit_s."""
+def solve_program(program: LinearProgram, options: Options, start: Sequence[int] = ()) -> Solution:
+    """Solve with the solver Options picks, within Options.time_limit_s. `start`: binary
+    columns of a first plan to set at 1, the solver completing the rest
+    (passes/solve/warm_start.py); HiGHS only (CBC starts from nothing)."""
     name = solver_name(options)
     t0 = time.perf_counter()
     if name == "highs":
-        status, values, objective, gap, bound = _run_highs(program, options.time_limit_s)
+        status, values, objective, gap, bound = _run_highs(program, options.time_limit_s, start)
     else:
         status, values, objective, gap, bound = _run_cbc(program, options.time_limit_s)
     return Solution(status, values, objective, gap, time.perf_counter() - t0, bound)
@@ -139,7 +141,7 @@ EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1
 Outcome = tuple[SolveStatus, tuple[float, ...], float, Optional[float], Optional[float]]  # + gap, bound
 
 
-def _run_highs(p: LinearProgram, time_limit_s: float) -> Outcome:
+def _run_highs(p: LinearProgram, time_limit_s: float, start: Sequence[int] = ()) -> Outcome:
     h = _quiet_highs()
     h.setOptionValue("time_limit", float(time_limit_s))
     lp = highspy.HighsLp()
@@ -155,6 +157,11 @@ def _run_highs(p: LinearProgram, time_limit_s: float) -> Outcome:
     kinds = highspy.HighsVarType
     lp.integrality_ = [kinds.kInteger if b else kinds.kContinuous for b in p.binary]
     h.passModel(lp)
+    if start:  # a partial solution: HiGHS completes it (or drops it where it cannot) before its search
+        try:
+            h.setSolution(len(start), np.array(start, dtype=np.int32), np.ones(len(start)))
+        except TypeError:  # highspy before 1.8 takes whole solutions only: no start
+            pass
     h.run()
     model_status = h.getModelStatus()
     codes = highspy.HighsModelStatus
