@@ -97,9 +97,35 @@ def test_a_solver_stopped_with_nothing_returns_the_plan_it_started_from():
         assert (tuple(s.placements for s in n.inputs), tuple(s.placements for s in n.outputs)) == start.layouts[n.name]
 
 
-def test_without_a_whole_start_a_stopped_solver_is_an_error(monkeypatch):
-    model, x = MLP().train(), torch.randn(64, 16)
+def _never_solved(monkeypatch):
+    """Every solve stops at its time limit before it has a plan of its own."""
     monkeypatch.setattr(solve_module, "solve_program", lambda program, options, start=(): Solution(
         SolveStatus.NOT_SOLVED, (0.0,) * len(program.cost), 0.0, None, 0.1))
-    with pytest.raises(autopar.SolverError, match="raise Options.time_limit_s"):
-        _plan(model, (x,), mesh=(2, 2, 2), device="cpu")
+
+
+def test_a_solver_stopped_with_nothing_and_no_start_returns_a_greedy_plan_that_runs(monkeypatch):
+    """Greedy (passes/solve/greedy.py): each op's group the cheapest against the choices
+    before it, the parameters stored as their readers want them. The plan is a real one:
+    the simulated ranks train it to the single-device outputs and gradients."""
+    from autopar.passes.plan.planning import trace_for_planning
+    from autopar.tools.simulated import reference_run, simulate_against
+    model, x = MLP().train(), torch.randn(64, 16)
+    best = _plan(model, (x,), mesh=(2, 4), device="cpu")
+    _never_solved(monkeypatch)
+    plan = _plan(model, (x,), mesh=(2, 4), device="cpu")
+    assert plan.solver.status.startswith("Not Solved (time limit 120.0 s): a greedy plan, not the solver's")
+    assert plan.total_s >= best.total_s * (1 - 1e-9) and plan.solver.objective_s == plan.total_s
+    traced = trace_for_planning(model, (x,))
+    assert simulate_against(model, (x,), {}, traced, plan, reference_run(model, (x,), {}, training=True)) > 0
+    # a three-axis mesh starts from its merged mesh's greedy plan, which sets every group
+    fine = _plan(model, (x,), mesh=(2, 2, 2), device="cpu")
+    assert fine.solver.status.endswith(": the plan started from")
+
+
+def test_a_stopped_solver_whose_greedy_plan_is_over_the_budget_is_an_error(monkeypatch):
+    model, x = MLP().train(), torch.randn(64, 16)
+    _never_solved(monkeypatch)
+    greedy = _plan(model, (x,), mesh=(2, 4), device="cpu", memory_budget_bytes=10**9)
+    assert greedy.solver.status.endswith("a greedy plan, not the solver's (passes/solve/greedy.py)")
+    with pytest.raises(autopar.SolverError, match="over the budget of .* MiB; raise Options.time_limit_s"):
+        _plan(model, (x,), mesh=(2, 4), device="cpu", memory_budget_bytes=greedy.memory_bytes - 1)

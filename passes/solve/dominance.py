@@ -40,7 +40,7 @@ from typing import Iterator, Optional
 import torch
 
 from autopar.cost_models.edge_prices import INF, EdgePricer
-from autopar.passes.solve.ilp import IlpModel, edge_classes, forward_prices
+from autopar.passes.solve.ilp import Edge, IlpModel, edge_classes, forward_prices
 
 MAX_CELLS = 1 << 24  # compare at most this many profile entries at once (a few tens of MB)
 # columns each edge's cheap bound compares besides each choice's cheapest (_probed_difference)
@@ -317,7 +317,8 @@ def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer,
         edges = list({id(e): e for e in touching.get(g, ())}.values())  # an edge between two copies once
         def local(i: int) -> tuple[float, int]:
             picks.update({h: i for h in mine})  # a trial, undone below unless it wins
-            time_s = sum(model.cost_s[h][i] for h in mine) + sum(_edge_s(e, model, picks, pricer) for e in edges)
+            time_s = (sum(model.cost_s[h][i] for h in mine)
+                      + sum(picked_edge_s(e, model, picks, pricer) for e in edges))
             return time_s, sum(model.nbytes[h][i] for h in mine)
         now = picks[g]
         now_s, now_bytes = local(now)
@@ -328,7 +329,7 @@ def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer,
     return picks
 
 
-def _edge_s(edge, model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> float:
+def picked_edge_s(edge: Edge, model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> float:
     """R of `edge` under `picks` (less what its bucket hides, as the ILP prices it)."""
     mu, mv = model.groups[edge.producer], model.groups[edge.consumer.name]
     src = model.graph.node(edge.producer).strategies[mu.index_map[picks[mu.leader]]].outputs[edge.output]

@@ -47,6 +47,7 @@ from autopar.cost_models.model import CostModel
 from autopar.cost_models.overlap import plan_hidden_s
 from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks, shared_blocks_of
 from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
+from autopar.passes.solve.greedy import greedy_picks
 from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
 from autopar.passes.solve.ilp_overlap import least_backward, least_forward, parameter_shares
@@ -229,22 +230,39 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     solution = solve_program(ilp.program, options, columns)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
         raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
-    # 4. read the choice back; where the solver stopped with nothing, the start when it is
-    # whole and needs no budget checked (warm_start.py)
-    fallback = solution.status is SolveStatus.NOT_SOLVED and len(started) == len(model.leaders) and budget is None
-    picks = started if fallback else _picks(ilp, solution, name)
+    # 4. read the choice back; where the solver stopped with no plan of its own, the start
+    # when it sets every group, else a greedy one (warm_start.py, greedy.py)
+    stopped = _stopped_picks(solution, model, started, pricer)
+    picks = stopped[0] if stopped is not None else _picks(ilp, solution, name)
     if budget is not None:  # memory counts: of equally fast layouts, the smaller
         picks = prefer_smaller(model, picks, pricer, keep)
     status = solution.status.value
     if solution.status is not SolveStatus.OPTIMAL:
-        status = f"{status} (time limit {options.time_limit_s} s)" + (": the plan started from" if fallback else "")
+        status = f"{status} (time limit {options.time_limit_s} s)" + (f": {stopped[1]}" if stopped else "")
     report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
                           ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks,
                           None if solution.bound is None else solution.bound / US,
                           _started(start, len(columns), ilp.variables.groups, name))
     plan = read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
-                     () if fallback else _recomputed(model, ilp, solution), least, least_fwd)
-    return replace(plan, solver=replace(report, objective_s=plan.total_s)) if fallback else plan
+                     () if stopped else _recomputed(model, ilp, solution), least, least_fwd)
+    if stopped is None:
+        return plan
+    if budget is not None and plan.memory_bytes > budget:
+        raise SolverError(f"the {name} solver returned {solution.status.value} without a plan after "
+                          f"{solution.seconds:.1f} s, and {stopped[1]} needs {plan.memory_bytes / 2**20:,.0f} MiB per "
+                          f"rank, over the budget of {budget / 2**20:,.0f} MiB; raise Options.time_limit_s")
+    return replace(plan, solver=replace(report, objective_s=plan.total_s))
+
+
+def _stopped_picks(solution: Solution, model: IlpModel, started: dict[str, int], pricer: EdgePricer
+                   ) -> Optional[tuple[dict[str, int], str]]:
+    """Where the solver stopped with no plan: the choices to read back instead, and what they are."""
+    if solution.status is not SolveStatus.NOT_SOLVED:
+        return None
+    if len(started) == len(model.leaders):
+        return started, "the plan started from"
+    greedy = greedy_picks(model, pricer)
+    return None if greedy is None else (greedy, "a greedy plan, not the solver's (passes/solve/greedy.py)")
 
 
 def _started(start: Optional[StartingLayouts], set_groups: int, groups: int, solver: str) -> str:
