@@ -42,14 +42,9 @@ def _same_under(seeds: tuple[int, ...]) -> None:
         assert plans == first, f"PYTHONHASHSEED={seed} planned {plans}, {seeds[0]} planned {first}"
 
 
-@pytest.mark.slow  # two fresh interpreters importing transformers: ~15 s
-def test_two_hash_seeds_that_order_the_layer_types_apart_give_one_graph_and_plan():
-    _same_under((0, 1))  # seed 1 orders gemma3's and modernbert's layer-type sets unlike seed 0
-
-
 @pytest.mark.slow
 def test_ten_hash_seeds_give_one_graph_and_plan():
-    _same_under(tuple(range(10)))
+    _same_under(tuple(range(10)))  # seed 1 orders gemma3's and modernbert's layer-type sets unlike seed 0
 
 
 @pytest.mark.slow
