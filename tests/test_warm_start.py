@@ -129,3 +129,30 @@ def test_a_stopped_solver_whose_greedy_plan_is_over_the_budget_is_an_error(monke
     assert greedy.solver.status.endswith("a greedy plan, not the solver's (passes/solve/greedy.py)")
     with pytest.raises(autopar.SolverError, match="over the budget of .* MiB; raise Options.time_limit_s"):
         _plan(model, (x,), mesh=(2, 4), device="cpu", memory_budget_bytes=greedy.memory_bytes - 1)
+
+
+def test_a_whole_start_is_a_solution_of_the_program_priced_as_the_plan_it_is(monkeypatch):
+    """Where the start sets every group, every column is handed over (flows at 1 where both
+    their classes are picked): the solver has nothing to complete, so it must satisfy
+    every row and bound as it is, and its objective must be the started plan's price."""
+    model, x = MLP().train(), torch.randn(64, 16)
+    seen = {}
+    original = solve_module.solve_program
+
+    def keeping(program, options, start=None):
+        if start is not None:
+            seen["program"], seen["start"] = program, start
+        return original(program, options, start)
+
+    monkeypatch.setattr(solve_module, "solve_program", keeping)
+    _plan(model, (x,), mesh=(2, 2, 2), device="cpu")
+    monkeypatch.setattr(solve_module, "solve_program", original)
+    program, (columns, values) = seen["program"], seen["start"]
+    assert list(columns) == list(range(len(program.cost)))
+    assert all(lo <= v <= up for lo, v, up in zip(program.lower, values, program.upper))
+    for r in range(program.num_rows):
+        span = range(program.row_start[r], program.row_start[r + 1])
+        row = sum(program.row_value[k] * values[program.row_index[k]] for k in span)
+        assert program.row_lower[r] - 1e-9 <= row <= program.row_upper[r] + 1e-9, r
+    objective_s = (sum(c * v for c, v in zip(program.cost, values)) + program.constant) / 1e6
+    assert objective_s == pytest.approx(_stopped_at_the_start(model, x).total_s, rel=1e-9)

@@ -61,7 +61,7 @@ from typing import Callable, Mapping, Optional
 from autopar.core.errors import SolverError
 from autopar.cost_models.edge_prices import INF, DstKey, EdgePricer
 from autopar.cost_models.overlap import NO_SHARE, Share
-from autopar.passes.solve.ilp_terms import MIB, US, LinearTerms, Variable, link_classes, merge_alike
+from autopar.passes.solve.ilp_terms import MIB, US, Flow, LinearTerms, Variable, link_classes, merge_alike
 from autopar.passes.solve.recompute_ilp import BlockTerms, RecomputeVariables, recompute
 from autopar.passes.solve.solver_backend import LinearProgram
 from autopar.passes.strategies.strategies import AnnotatedGraph, PlannedNode
@@ -164,6 +164,7 @@ class IlpVariables:
     count: int  # variables created (a shared variable counts once)
     groups: int  # groups with their own s (after following and clustering)
     recompute: RecomputeVariables = RecomputeVariables()  # r and its product terms per IlpModel.blocks
+    flows: tuple[Flow, ...] = ()  # every x made, with the s columns of its two classes
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ def _memory_terms(model: IlpModel, s: Mapping[str, tuple[Variable, ...]], rec: R
 
 
 def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple[Variable, ...]],
-                     pricer: EdgePricer, forward: Optional[EdgePricer] = None
+                     pricer: EdgePricer, forward: Optional[EdgePricer] = None, flows: Optional[list[Flow]] = None
                      ) -> tuple[tuple[LinearTerms, ...], tuple[LinearTerms, ...], int]:
     """For every edge e = (u, v) between groups, with src classes o and dst classes r,
 
@@ -229,7 +230,7 @@ def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple
     whose every pair costs the same (its cost is a constant). Returns each edge's
     reshard cost sum_{o,r} R[e,o,r] x[e,o,r] and its forward part sum F x (`forward`
     prices F, for the edges into blocks only) in microseconds, twins sharing one, and
-    how many x it created."""
+    how many x it created (each listed in `flows`)."""
     into_blocks = {model.edges[k].twin_key(model.rep) for b in model.blocks for k in b.edges}
     built: dict[tuple[str, int, str, int, Share], tuple[LinearTerms, LinearTerms]] = {}
     reshard, rerun = [], []
@@ -245,7 +246,7 @@ def edge_consistency(prob: LinearProgram, model: IlpModel, s: Mapping[str, tuple
             su, sv = s[model.groups[edge.producer].leader], s[model.groups[edge.consumer.name].leader]
             src_vars = [[su[i] for i in idx] for idx in src.values()]
             dst_vars = [[sv[i] for i in idx] for idx in dst.values()]
-            *built[key], n = link_classes(prob, *merge_alike(src_vars, dst_vars, matrix), with_forward)
+            *built[key], n = link_classes(prob, *merge_alike(src_vars, dst_vars, matrix), with_forward, flows)
             created += n
         reshard.append(built[key][0])
         rerun.append(built[key][1])
@@ -319,7 +320,8 @@ def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_o
     s = one_hot(prob, model)
     if budget_bytes is not None and not model.blocks:
         memory_budget(prob, model, s, budget_bytes)
-    reshard, rerun, n_x = edge_consistency(prob, model, s, pricer, forward)
+    flows: list[Flow] = []
+    reshard, rerun, n_x = edge_consistency(prob, model, s, pricer, forward, flows)
     before = len(prob.cost)
     rec = recompute(prob, model, s, rerun) if model.blocks else RecomputeVariables()
     n_r = len(prob.cost) - before
@@ -327,7 +329,7 @@ def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_o
         memory_budget(prob, model, s, budget_bytes, rec)
     own = [g for g in model.leaders if model.rep.get(g, g) == g]
     n_s = sum(var is not None for g in own for var in s[g])
-    variables = IlpVariables(s, reshard, n_s + n_x + n_r, len(own), rec)
+    variables = IlpVariables(s, reshard, n_s + n_x + n_r, len(own), rec, tuple(flows))
     terms = objective(model, variables)
     prob.minimise(terms.coef, terms.constant)
     return Ilp(prob, variables)

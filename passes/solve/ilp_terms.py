@@ -22,6 +22,9 @@ MIB = 2**20  # the memory objective is in MiB, for the same reason
 Variable = Optional[int]  # a column of the LinearProgram; None: a choice that is impossible, i.e. fixed at 0
 Classes = list[list[int]]  # per class, the s variables that choose it
 Matrix = list[list]  # per (src class, dst class): R, or the pair (R, F) where forward terms are wanted
+# a flow x[e,o,r] and the s columns of its src class o and its dst class r: under a one-hot
+# choice x is 1 exactly where both classes are chosen (what a whole starting solution sets)
+Flow = tuple[int, tuple[int, ...], tuple[int, ...]]
 
 
 class LinearTerms:
@@ -73,11 +76,12 @@ def merge_alike(src: Classes, dst: Classes, matrix: Matrix) -> tuple[Classes, Cl
         src, dst, matrix = merged_src, merged_dst, [list(row) for row in zip(*columns)]
 
 
-def link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: Matrix, with_forward: bool = False
-                 ) -> tuple[LinearTerms, LinearTerms, int]:
+def link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: Matrix, with_forward: bool = False,
+                 flows: Optional[list[Flow]] = None) -> tuple[LinearTerms, LinearTerms, int]:
     """An edge's constraints and cost terms, without x where a side has one class; with
     `with_forward` the entries of `matrix` are pairs (R, F) and the forward terms
-    sum F x come back too, listing every x of the edge (else empty terms)."""
+    sum F x come back too, listing every x of the edge (else empty terms). Each x made
+    is appended to `flows` with its classes' s columns."""
     cost = [[(p[0] if with_forward else p) for p in row] for row in matrix]
     fwd = [[(p[1] if with_forward else 0.0) for p in row] for row in matrix]
     terms, forward = LinearTerms(), LinearTerms()
@@ -95,6 +99,7 @@ def link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: Matrix
     by_src: list[dict[int, float]] = [{var: -1.0 for var in vars_} for vars_ in src]
     by_dst: list[dict[int, float]] = [{var: -1.0 for var in vars_} for vars_ in dst]
     created = 0
+    src_t, dst_t = [tuple(v) for v in src], [tuple(v) for v in dst]  # one tuple per class, shared by its flows
     for o, row in enumerate(cost):
         for r, c in enumerate(row):
             if c < INF:
@@ -103,6 +108,8 @@ def link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: Matrix
                 forward.coef[x] = fwd[o][r] * US  # zero too: every flow of the edge is listed
                 by_src[o][x] = by_dst[r][x] = 1.0
                 created += 1
+                if flows is not None:
+                    flows.append((x, src_t[o], dst_t[r]))
     for coef in by_src + by_dst:  # sum of the flows = the marginal, as sum coef[v] v = 0
         prob.row(coef, 0.0, 0.0)
     return terms, forward, created

@@ -57,7 +57,7 @@ from autopar.core.routed import ROUTED_EXPERTS
 from autopar.passes.rules import Strategy
 from autopar.passes.trace.experts import routing_notes
 from autopar.passes.solve.solver_backend import Solution, SolveStatus, solve_program, solver_name
-from autopar.passes.solve.warm_start import StartingLayouts, starting_picks
+from autopar.passes.solve.warm_start import StartingLayouts, starting_picks, starting_solution
 from autopar.passes.strategies.strategies import AnnotatedGraph, PlannedNode
 
 
@@ -226,8 +226,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     ilp = build_ilp(model, pricer, time_objective, budget, forward)
     name = solver_name(options)
     started = starting_picks(model, ilp.variables, start) if start is not None else {}
-    columns = tuple(ilp.variables.s[g][i] for g, i in started.items() if model.owner(g) == g)
-    solution = solve_program(ilp.program, options, columns)
+    solution = solve_program(ilp.program, options, starting_solution(model, ilp, started) if started else None)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
         raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
     # 4. read the choice back; where the solver stopped with no plan of its own, the start
@@ -242,7 +241,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     report = SolverReport(name, status, solution.objective / US, solution.gap, solution.seconds,
                           ilp.variables.count, ilp.program.num_rows, ilp.variables.groups, blocks.shared_blocks,
                           None if solution.bound is None else solution.bound / US,
-                          _started(start, len(columns), ilp.variables.groups, name))
+                          _started(start, sum(model.owner(g) == g for g in started), ilp.variables.groups, name))
     plan = read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
                      () if stopped else _recomputed(model, ilp, solution), least, least_fwd)
     if stopped is None:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -100,6 +100,9 @@ class Solution:
     bound: Optional[float] = None
 
 
+Start = tuple[np.ndarray, np.ndarray]  # a first solution: int32 columns, float64 values
+
+
 def solver_name(options: Options) -> str:
     """"highs" or "cbc" for Options.solver ("auto": HiGHS when highspy is installed)."""
     if options.solver in (SolverChoice.AUTO, SolverChoice.HIGHS) and highspy is not None:
@@ -110,9 +113,9 @@ def solver_name(options: Options) -> str:
     return "cbc"
 
 
-def solve_program(program: LinearProgram, options: Options, start: Sequence[int] = ()) -> Solution:
-    """Solve with the solver Options picks, within Options.time_limit_s. `start`: binary
-    columns of a first plan to set at 1, the solver completing the rest
+def solve_program(program: LinearProgram, options: Options, start: Optional[Start] = None) -> Solution:
+    """Solve with the solver Options picks, within Options.time_limit_s. `start`: a first
+    solution, (columns, values), the solver completing the columns not given
     (passes/solve/warm_start.py); HiGHS only (CBC starts from nothing)."""
     name = solver_name(options)
     t0 = time.perf_counter()
@@ -141,7 +144,7 @@ EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1
 Outcome = tuple[SolveStatus, tuple[float, ...], float, Optional[float], Optional[float]]  # + gap, bound
 
 
-def _run_highs(p: LinearProgram, time_limit_s: float, start: Sequence[int] = ()) -> Outcome:
+def _run_highs(p: LinearProgram, time_limit_s: float, start: Optional[Start] = None) -> Outcome:
     h = _quiet_highs()
     h.setOptionValue("time_limit", float(time_limit_s))
     lp = highspy.HighsLp()
@@ -157,9 +160,9 @@ def _run_highs(p: LinearProgram, time_limit_s: float, start: Sequence[int] = ())
     kinds = highspy.HighsVarType
     lp.integrality_ = [kinds.kInteger if b else kinds.kContinuous for b in p.binary]
     h.passModel(lp)
-    if start:  # a partial solution: HiGHS completes it (or drops it where it cannot) before its search
+    if start is not None and len(start[0]):  # HiGHS completes it (or drops it where it cannot) before its search
         try:
-            h.setSolution(len(start), np.array(start, dtype=np.int32), np.ones(len(start)))
+            h.setSolution(len(start[0]), start[0], start[1])
         except TypeError:  # highspy before 1.8 takes whole solutions only: no start
             pass
     h.run()
