@@ -9,9 +9,12 @@
 3. drop the choices no optimal plan needs (passes/solve/dominance.py: exact pruning), build
    the ILP over the groups (passes/solve/ilp.py, whose docstring states the model: one
    function per constraint family) and solve it for the least time within the memory
-   budget; when no plan fits, solve it again for the least memory to report;
+   budget; when no plan fits, solve it again for the least memory to report. A mesh of
+   three axes or more starts the solver from its merged mesh's plan (passes/solve/warm_start.py);
 4. read the leaders' choices back into a Plan (under a budget, each group moved to the
-   smallest of its equally fast choices), with the blocks it recomputes.
+   smallest of its equally fast choices), with the blocks it recomputes. Where the solver
+   stopped at its time limit with no plan of its own: the start when it sets every group,
+   else a greedy plan (passes/solve/greedy.py), either refused when over the budget.
 
 Recompute (passes/solve/recompute_ilp.py): in training under a budget, each repeated block
 (passes/clusters.find_blocks) may drop its inner activations and run its forward again
