@@ -304,17 +304,11 @@ def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer,
     a constraint, so which of two equally fast layouts it returns is arbitrary; this
     makes it the smaller one. Groups in `keep` (as prune_dominated's) stay as picked."""
     picks = dict(picks)
-    touching: dict[str, list] = {}
-    for edge in model.edges:
-        for end in (edge.producer, edge.consumer.name):
-            touching.setdefault(model.owner(model.groups[end].leader), []).append(edge)
-    copies: dict[str, list[str]] = {}
-    for g in model.leaders:
-        copies.setdefault(model.owner(g), []).append(g)
+    copies, touching = owner_neighbourhoods(model)
     for g, mine in copies.items():
         if g in keep:
             continue
-        edges = list({id(e): e for e in touching.get(g, ())}.values())  # an edge between two copies once
+        edges = touching[g]
         def local(i: int) -> tuple[float, int]:
             picks.update({h: i for h in mine})  # a trial, undone below unless it wins
             time_s = (sum(model.cost_s[h][i] for h in mine)
@@ -327,6 +321,20 @@ def prefer_smaller(model: IlpModel, picks: dict[str, int], pricer: EdgePricer,
         best = min(options)[1] if options else now
         picks.update({h: best for h in mine})
     return picks
+
+
+def owner_neighbourhoods(model: IlpModel) -> tuple[dict[str, list[str]], dict[str, list[Edge]]]:
+    """Per owner group (a representative, in leader order): the groups that share its s
+    (itself and its copies), and the edges touching any of them, an edge between two
+    copies once."""
+    copies: dict[str, list[str]] = {}
+    for g in model.leaders:
+        copies.setdefault(model.owner(g), []).append(g)
+    touching: dict[str, dict[int, Edge]] = {g: {} for g in copies}
+    for edge in model.edges:
+        for end in (edge.producer, edge.consumer.name):
+            touching[model.owner(model.groups[end].leader)][id(edge)] = edge
+    return copies, {g: list(edges.values()) for g, edges in touching.items()}
 
 
 def picked_edge_s(edge: Edge, model: IlpModel, picks: dict[str, int], pricer: EdgePricer) -> float:

@@ -19,26 +19,18 @@ from __future__ import annotations
 from typing import Optional
 
 from autopar.cost_models.edge_prices import INF, EdgePricer
-from autopar.passes.solve.dominance import picked_edge_s
+from autopar.passes.solve.dominance import owner_neighbourhoods, picked_edge_s
 from autopar.passes.solve.ilp import Edge, IlpModel
 
 
 def greedy_picks(model: IlpModel, pricer: EdgePricer) -> Optional[dict[str, int]]:
     """Group -> choice (module docstring); None where some group has no choice whose
     reshards from what is decided are possible."""
-    owners = [g for g in model.leaders if model.owner(g) == g]
-    touching: dict[str, list[Edge]] = {}
-    for edge in model.edges:
-        for end in (edge.producer, edge.consumer.name):
-            touching.setdefault(model.owner(model.groups[end].leader), []).append(edge)
-    copies: dict[str, list[str]] = {}
-    for g in model.leaders:
-        copies.setdefault(model.owner(g), []).append(g)
-    inputs = [g for g in owners if model.graph.node(g).kind.is_input]
+    copies, touching = owner_neighbourhoods(model)
+    inputs = [g for g in copies if model.graph.node(g).kind.is_input]
     picks: dict[str, int] = {}
-    for g in [g for g in owners if not model.graph.node(g).kind.is_input] + inputs:
-        mine = copies[g]
-        edges = list({id(e): e for e in touching.get(g, ())}.values())
+    for g in [g for g in copies if not model.graph.node(g).kind.is_input] + inputs:
+        mine, edges = copies[g], touching[g]
         best, best_s = None, INF
         for i, own in enumerate(model.cost_s[g]):
             if own >= INF:

@@ -164,7 +164,7 @@ class IlpVariables:
     count: int  # variables created (a shared variable counts once)
     groups: int  # groups with their own s (after following and clustering)
     recompute: RecomputeVariables = RecomputeVariables()  # r and its product terms per IlpModel.blocks
-    flows: tuple[Flow, ...] = ()  # every x made, with the s columns of its two classes
+    flows: tuple[Flow, ...] = ()  # every x made, with the s columns of its two classes (build_ilp's list_flows)
 
 
 @dataclass(frozen=True)
@@ -312,15 +312,17 @@ def memory_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
 # ---- the whole ILP -----------------------------------------------------------------
 
 def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_objective,
-              budget_bytes: Optional[int] = None, forward: Optional[EdgePricer] = None) -> Ilp:
+              budget_bytes: Optional[int] = None, forward: Optional[EdgePricer] = None,
+              list_flows: bool = False) -> Ilp:
     """One-hot and edge consistency, recompute where the model has blocks (`forward`
     prices their reshards' forward steps), the memory budget when there is one, and
-    `objective`. Without blocks the rows and columns come in the order they always did."""
+    `objective`. Without blocks the rows and columns come in the order they always did.
+    `list_flows`: IlpVariables.flows lists every x (for a starting solution)."""
     prob = LinearProgram()
     s = one_hot(prob, model)
     if budget_bytes is not None and not model.blocks:
         memory_budget(prob, model, s, budget_bytes)
-    flows: list[Flow] = []
+    flows: Optional[list[Flow]] = [] if list_flows else None
     reshard, rerun, n_x = edge_consistency(prob, model, s, pricer, forward, flows)
     before = len(prob.cost)
     rec = recompute(prob, model, s, rerun) if model.blocks else RecomputeVariables()
@@ -329,7 +331,7 @@ def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_o
         memory_budget(prob, model, s, budget_bytes, rec)
     own = [g for g in model.leaders if model.rep.get(g, g) == g]
     n_s = sum(var is not None for g in own for var in s[g])
-    variables = IlpVariables(s, reshard, n_s + n_x + n_r, len(own), rec, tuple(flows))
+    variables = IlpVariables(s, reshard, n_s + n_x + n_r, len(own), rec, tuple(flows or ()))
     terms = objective(model, variables)
     prob.minimise(terms.coef, terms.constant)
     return Ilp(prob, variables)

@@ -226,7 +226,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     with_recompute = {"forward": forward} if model.blocks else {}  # forward prices: only where blocks may recompute
     model = prune_dominated(model, pricer, with_memory=budget is not None, **with_recompute)
     # 3. the least time within the budget
-    ilp = build_ilp(model, pricer, time_objective, budget, forward)
+    ilp = build_ilp(model, pricer, time_objective, budget, forward, list_flows=start is not None)
     name = solver_name(options)
     started = starting_picks(model, ilp.variables, start) if start is not None else {}
     solution = solve_program(ilp.program, options, starting_solution(model, ilp, started) if started else None)
