@@ -1,5 +1,5 @@
 """What agreeing on every call's inputs costs (autopar/runtime/call_agreement.py):
-the agreement alone (one all-gather of an 8-byte hash) against a whole training step
+the agreement alone (one all-reduce of two int64: a hash and its negation) against a whole training step
 of a small model on the same ranks, taking turns, one torch thread per rank.
 
     python bench/call_agreement.py [--ranks 8] [--steps 20]

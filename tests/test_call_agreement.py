@@ -26,3 +26,34 @@ def test_ranks_passing_other_shapes_at_the_third_call_raise_on_every_rank_within
         parallel, reference = res["after"]
         torch.testing.assert_close(parallel, reference)
         assert res["plans"] == (2 if both_planned else 1)  # the refused call planned nothing
+
+
+def test_the_agreement_settles_before_the_first_collective_and_once():
+    """settled_before_first_collective: settle() runs when the program launches its first
+    collective (not before: the compute up to it overlaps the agreement), exactly once,
+    and on leaving where the program launched none."""
+    from autopar.core.kinds import StepKind
+    from autopar.runtime.collectives import AxisComm, Move, finish, launch, settled_before_first_collective
+
+    events: list[str] = []
+    comm = AxisComm.standing_in(2)
+    x = torch.ones(4, 3)
+    with settled_before_first_collective(lambda: events.append("settled")):
+        events.append("compute")
+        started = launch(Move(StepKind.ALL_REDUCE), x, comm)
+        events.append("launched")
+        finish(Move(StepKind.ALL_REDUCE), started, comm)
+        launch(Move(StepKind.ALL_GATHER, dim=0, size=4), x, comm)
+    assert events == ["compute", "settled", "launched"], events
+
+    events.clear()
+    with settled_before_first_collective(lambda: events.append("settled")):
+        events.append("compute")
+    assert events == ["compute", "settled"], events
+
+    def refuse() -> None:
+        raise RuntimeError("ranks differ")
+    with pytest.raises(RuntimeError, match="ranks differ"):
+        with settled_before_first_collective(refuse):
+            launch(Move(StepKind.ALL_REDUCE), x, comm)
+    launch(Move(StepKind.ALL_REDUCE), x, comm)  # settled once: a later collective runs nothing

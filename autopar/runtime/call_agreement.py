@@ -1,27 +1,39 @@
 """Every call's inputs agreed between the ranks before any collective of the step.
 
-    each rank: signature of this call -> 8-byte hash --all-gather--> all equal: run
-                                                                 `-> else: all-gather the
+    each rank: signature of this call -> hash h --all-reduce max of (h, -h)--> max = min: run
+                                                                          `-> else: all-gather the
                                      signatures' descriptions, InputMismatchError everywhere
 
 Ranks that pass different shapes at some call would otherwise run different programs
 (or one would trace and plan a new signature while the others run a cached one) and
 wait in each other's collectives until the group's timeout. The first call's
 signature is compared in full by the trace shipping (runtime/shipping.py); a later one
-only here. The common case costs one all-gather of one int64 per call; the mismatch
-case a second, of the descriptions, so that every rank names every rank's inputs.
+only here. The common case costs one all-reduce of two int64 per call: the largest hash
+and the negated smallest, equal only where every rank's hash is the same (on 8 gloo ranks
+a small all-reduce takes a fraction of what an all-gather does: bench/call_agreement.py).
+The mismatch case costs an all-gather of the descriptions, so that every rank names every
+rank's inputs.
+
+Where the call's program is already compiled on this rank, the agreement is started
+before the program and settled before its first collective (runtime/collectives.py:
+settled_before_first_collective): a data-parallel forward, whose first collective is its
+loss all-reduce at the end, then waits once instead of twice. Until then the program only
+computes: its buffer updates are outputs stored after it returns, so a refused call
+changes no state (but for the random-number generator's position). A call that must be
+traced and planned first, or whose inputs this rank refused, settles before anything.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from autopar.core.errors import InputMismatchError
+from autopar.runtime.shipping import Inputs
 
 UNEVEN_BATCH_HINT = ("every rank must pass inputs of the same shapes, non-tensor values and mode at every call: "
                      "for the uneven last batch of a data loader pass drop_last=True, pad that batch to the full "
@@ -38,29 +50,68 @@ class CallSignature:
     training: bool
     grad: bool
 
+    @staticmethod
+    def of_call(args: tuple, kwargs: dict, training: bool, refused: Optional[Exception] = None,
+                local_program: Optional[str] = None) -> "CallSignature":
+        """A call's signature: why this rank refused its inputs, else the fingerprint of the
+        program its local inputs feed, else its inputs."""
+        if refused is not None:
+            inputs: Any = f"inputs refused here ({type(refused).__name__}: {refused})"
+        elif local_program is not None:
+            inputs = ("local inputs of", local_program)
+        else:
+            inputs = Inputs.of(args, kwargs)
+        return CallSignature(inputs, training, torch.is_grad_enabled())
+
     def digest(self) -> int:
+        """A 62-bit hash, so that it and its negation are int64 values."""
         raw = hashlib.sha256(repr(self).encode()).digest()[:8]
-        return int.from_bytes(raw, "little", signed=True)
+        return int.from_bytes(raw, "little") >> 2
+
+
+class PendingAgreement:
+    """A call's agreement under way: `settle` waits for it and raises where ranks differ."""
+
+    def __init__(self, signature: CallSignature, call: int, group: Any, world: int) -> None:
+        self.signature, self.call, self.group, self.world = signature, call, group, world
+        digest = signature.digest()
+        self.extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+        self.work = dist.all_reduce(self.extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def settle(self) -> None:
+        """Return when every rank passed the same signature at this call; else raise
+        InputMismatchError on every rank, naming each rank's."""
+        self.work.wait()
+        largest, smallest = int(self.extremes[0]), -int(self.extremes[1])
+        if largest == smallest:
+            return
+        described: list = [None] * self.world
+        dist.all_gather_object(described, describe(self.signature), group=self.group)
+        lines = [f"rank {r}: {d}" for r, d in enumerate(described)]
+        raise InputMismatchError(f"the ranks passed different inputs at call {self.call} "
+                                 f"(this is rank {dist.get_rank(self.group)}):\n  " + "\n  ".join(lines)
+                                 + f"\n{UNEVEN_BATCH_HINT}")
+
+
+def start_agreement(signature: CallSignature, call: int, group: Any = None,
+                    settle_now: bool = False) -> Optional[PendingAgreement]:
+    """Start agreeing on `signature` at call number `call` among the ranks of `group` (a
+    gloo group; None: the world); None where the group has one rank or, with settle_now,
+    once settled."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return None
+    pending = PendingAgreement(signature, call, group, world)
+    if settle_now:
+        pending.settle()
+        return None
+    return pending
 
 
 def agree_on_call(signature: CallSignature, call: int, group: Any = None) -> None:
-    """Return when every rank of `group` (a gloo group; None: the world) passes
-    `signature` at its call number `call`; else raise InputMismatchError on every rank,
-    naming each rank's."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world == 1:
-        return
-    mine = torch.tensor([signature.digest()], dtype=torch.int64)
-    seen = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(seen, mine, group=group)
-    if all(int(t) == int(mine) for t in seen):
-        return
-    described: list = [None] * world
-    dist.all_gather_object(described, describe(signature), group=group)
-    lines = [f"rank {r}: {d}" for r, d in enumerate(described)]
-    raise InputMismatchError(f"the ranks passed different inputs at call {call} "
-                             f"(this is rank {dist.get_rank(group)}):\n  " + "\n  ".join(lines)
-                             + f"\n{UNEVEN_BATCH_HINT}")
+    """Return when every rank of `group` passes `signature` at its call number `call`;
+    else raise InputMismatchError on every rank, naming each rank's."""
+    start_agreement(signature, call, group, settle_now=True)
 
 
 def describe(signature: CallSignature) -> str:

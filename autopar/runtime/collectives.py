@@ -38,8 +38,10 @@ which the StepModules of an emitted program (passes/lower/program.py) are bound 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -128,7 +130,34 @@ class StandInCollectives:
         return x
 
 
+# ---- what must happen before a call's first collective ----------------------------------
+
+_gate = threading.local()  # .settle: what this thread runs before its next collective, or None
+
+
+@contextlib.contextmanager
+def settled_before_first_collective(settle: Optional[Callable[[], None]]) -> Iterator[None]:
+    """Inside, settle() runs once, before this thread's first collective (every one goes
+    through `_ops` or `before_collective`), or on leaving where none came. A call's input
+    agreement (runtime/call_agreement.py) is settled so: started before the program, it
+    completes while the program computes up to its first collective, and no collective
+    of a program the ranks may not share is launched before it has."""
+    _gate.settle = settle
+    try:
+        yield
+    finally:
+        before_collective()
+
+
+def before_collective() -> None:
+    settle = getattr(_gate, "settle", None)
+    if settle is not None:
+        _gate.settle = None
+        settle()
+
+
 def _ops(comm: AxisComm) -> Any:
+    before_collective()
     return StandInCollectives if comm.stand_in else _C10D
 
 

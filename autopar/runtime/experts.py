@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.routed import run_sorted
-from autopar.runtime.collectives import AxisComm
+from autopar.runtime.collectives import AxisComm, before_collective
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
     """Rows in_splits[i] of x go to rank i of the axis; out_splits[i] rows come from it."""
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    before_collective()
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=comm.group)
     return out
 

@@ -49,7 +49,8 @@ from autopar.passes.lower.program import bind
 from autopar.passes.strategies.strategies import AnnotatedGraph
 from autopar.passes.trace.trace import TracedGraph, flatten_inputs
 from autopar.runtime.buckets import GradBuckets
-from autopar.runtime.call_agreement import CallSignature, agree_on_call
+from autopar.runtime.call_agreement import CallSignature, PendingAgreement, start_agreement
+from autopar.runtime.collectives import settled_before_first_collective
 from autopar.runtime.step_runner import step_runner
 from autopar.runtime.compiling import compiled_program
 from autopar.passes.plan.dynamic_plans import PlannedSignature
@@ -60,7 +61,7 @@ from autopar.runtime.measure import default_profile_path, profile_for_mesh
 from autopar.runtime.measured_plan import measured_plan
 from autopar.runtime.metrics import StepMetrics, step_meter
 from autopar.runtime.agree import agreed_plan, attempt
-from autopar.runtime.shipping import Inputs, shared_trace
+from autopar.runtime.shipping import shared_trace
 from autopar.runtime.step import Stages, one_program_step
 from autopar.runtime.shards import empty_shards, fill_shards, store_buffers
 from autopar.runtime.state import ShardedStateMethods
@@ -173,18 +174,19 @@ class ParallelModule(ShardedStateMethods, nn.Module):
                                 "pm.step(*args, target=..., **kwargs), not pm(...)")
         self.meter.start()
         tensors, spec, consts = flatten_inputs(args, kwargs)
-        compiled = self._agreed_call(args, kwargs, tensors, spec, consts, local_inputs)
-        if not self.loaded:
-            raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
-                               "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
-        self.current = compiled
-        self.meter.begin(compiled.plan, compiled.traced, tensors, local_inputs,
-                         compiled.plan.training and torch.is_grad_enabled())
-        if torch.is_grad_enabled():  # this step's backward reduces this program's buckets
-            compiled.buckets.arm()
-            self._armed = compiled.buckets
-        feed = self._feed(compiled, tensors, user_is_local=local_inputs)
-        outputs = compiled.run(*feed)
+        compiled, agreement = self._agreed_call(args, kwargs, tensors, spec, consts, local_inputs)
+        with settled_before_first_collective(agreement.settle if agreement is not None else None):
+            if not self.loaded:
+                raise RuntimeError("the model was compiled on the meta device and its shards are not loaded yet: call "
+                                   "pm.load_safetensors(path), pm.load_full_state_dict(sd) or pm.load_checkpoint(path)")
+            self.current = compiled
+            self.meter.begin(compiled.plan, compiled.traced, tensors, local_inputs,
+                             compiled.plan.training and torch.is_grad_enabled())
+            if torch.is_grad_enabled():  # this step's backward reduces this program's buckets
+                compiled.buckets.arm()
+                self._armed = compiled.buckets
+            feed = self._feed(compiled, tensors, user_is_local=local_inputs)
+            outputs = compiled.run(*feed)
         store_buffers(self.state_tensors, buffer_blocks(compiled.program, compiled.traced, compiled.plan, outputs,
                                                         self.mesh.shape))
         return _compat.tree_unflatten(compiled.traced.user_outputs(outputs), compiled.traced.out_spec)
@@ -242,7 +244,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     def agreed_by_caller(self) -> Iterator[None]:
         """Calls inside skip the per-call agreement, for a caller whose every call's inputs
         follow from what the ranks have already agreed (generation's decode steps follow
-        from its agreed request): one all-gather less per call. A rank that passes other
+        from its agreed request): one all-reduce less per call. A rank that passes other
         inputs inside sends the ranks into different collectives."""
         before, self._caller_agrees = self._caller_agrees, True
         try:
@@ -252,25 +254,24 @@ class ParallelModule(ShardedStateMethods, nn.Module):
 
     # ---- parts ----------------------------------------------------------------------
     def _agreed_call(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], spec: Any, consts: tuple,
-                     local_inputs: bool) -> Compiled:
-        """This call's program, once every rank has shown the same inputs (call_agreement):
-        a rank whose inputs are refused here shows its error instead, so every rank stops."""
+                     local_inputs: bool) -> tuple[Compiled, Optional[PendingAgreement]]:
+        """This call's program and its agreement (call_agreement), under way where the program
+        is compiled already, else settled (a rank that refuses its inputs says so first)."""
         self.calls += 1
         problem = attempt(lambda: _check_devices(tensors, self.device))[1]
-        compiled = None
+        compiled = pending = None
         if local_inputs and problem is None:  # blocks differ by rank: agree on the program they feed
             compiled, problem = attempt(lambda: self._compiled_for_local(tensors, spec, consts))
+        elif problem is None:
+            compiled = self.programs.cached(args, kwargs, self.source_model.training)
         if self._world > 1 and not self._caller_agrees:
-            if problem is not None:
-                inputs: Any = f"inputs refused here ({type(problem).__name__}: {problem})"
-            else:
-                inputs = ("local inputs of", compiled.traced.fingerprint) if local_inputs else Inputs.of(args, kwargs)
-            agree_on_call(CallSignature(inputs, self.source_model.training, torch.is_grad_enabled()), self.calls,
-                          self.span)
+            fed = compiled.traced.fingerprint if local_inputs and problem is None else None
+            pending = start_agreement(CallSignature.of_call(args, kwargs, self.source_model.training, problem, fed),
+                                      self.calls, self.span, settle_now=problem is not None or compiled is None)
             self.agreed_calls += 1
         if problem is not None:
             raise problem
-        return compiled if local_inputs else self._compiled(args, kwargs)
+        return (compiled if compiled is not None else self._compiled(args, kwargs)), pending
 
     def _require_current(self) -> Compiled:
         if self.stages is not None:
@@ -360,8 +361,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
 
 
 class _BucketsOf:
-    """The gradient hook's way to the module's armed buckets (a weak reference: the hooks
-    live on the module's own parameters)."""
+    """The gradient hook's weak way to the armed buckets (the hooks live on pm's parameters)."""
 
     def __init__(self, pm: ParallelModule) -> None:
         self.pm = weakref.ref(pm)

@@ -61,6 +61,13 @@ class ProgramCache:
             self._static[key] = self.compile_fn(args, kwargs)
         return self._static[key]
 
+    def cached(self, args: tuple, kwargs: dict, training: bool) -> Optional[Any]:
+        """The program already compiled for this call, or None (with Options.dynamic: None,
+        as its programs are found by the call that needs them)."""
+        if self.dynamic is not None:
+            return None
+        return self._static.get(StaticSignature.of(args, kwargs, training))
+
     def for_local(self, tensors: list[torch.Tensor], spec: Any, consts: tuple, training: bool,
                   mesh_shape: tuple[int, ...], user_specs: Callable[[Any], list],
                   local_shapes: Callable[[Any], Shapes]) -> Optional[Any]:
