@@ -20,7 +20,9 @@ settled_before_first_collective): a data-parallel forward, whose first collectiv
 loss all-reduce at the end, then waits once instead of twice. Until then the program only
 computes: its buffer updates are outputs stored after it returns, so a refused call
 changes no state (but for the random-number generator's position). A call that must be
-traced and planned first, or whose inputs this rank refused, settles before anything.
+traced and planned first, or whose inputs this rank refused, settles before anything, and
+so does a program under torch.compile, whose compiled code launches its collectives
+without passing through collectives._ops.
 """
 
 from __future__ import annotations

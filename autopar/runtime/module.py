@@ -255,8 +255,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
     # ---- parts ----------------------------------------------------------------------
     def _agreed_call(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], spec: Any, consts: tuple,
                      local_inputs: bool) -> tuple[Compiled, Optional[PendingAgreement]]:
-        """This call's program and its agreement (call_agreement), under way where the program
-        is compiled already, else settled (a rank that refuses its inputs says so first)."""
+        """This call's program and its agreement (call_agreement), left under way where it can be."""
         self.calls += 1
         problem = attempt(lambda: _check_devices(tensors, self.device))[1]
         compiled = pending = None
@@ -266,8 +265,9 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             compiled = self.programs.cached(args, kwargs, self.source_model.training)
         if self._world > 1 and not self._caller_agrees:
             fed = compiled.traced.fingerprint if local_inputs and problem is None else None
+            now = problem is not None or compiled is None or self.options.compile  # compiled code skips _ops
             pending = start_agreement(CallSignature.of_call(args, kwargs, self.source_model.training, problem, fed),
-                                      self.calls, self.span, settle_now=problem is not None or compiled is None)
+                                      self.calls, self.span, settle_now=now)
             self.agreed_calls += 1
         if problem is not None:
             raise problem
