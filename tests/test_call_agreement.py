@@ -57,3 +57,9 @@ def test_the_agreement_settles_before_the_first_collective_and_once():
         with settled_before_first_collective(refuse):
             launch(Move(StepKind.ALL_REDUCE), x, comm)
     launch(Move(StepKind.ALL_REDUCE), x, comm)  # settled once: a later collective runs nothing
+
+    events.clear()  # a call inside a call: the outer agreement settles before the inner one starts
+    with settled_before_first_collective(lambda: events.append("outer")):
+        with settled_before_first_collective(lambda: events.append("inner")):
+            launch(Move(StepKind.ALL_REDUCE), x, comm)
+    assert events == ["outer", "inner"], events

@@ -142,6 +142,7 @@ def settled_before_first_collective(settle: Optional[Callable[[], None]]) -> Ite
     agreement (runtime/call_agreement.py) is settled so: started before the program, it
     completes while the program computes up to its first collective, and no collective
     of a program the ranks may not share is launched before it has."""
+    before_collective()  # an enclosing call's, still pending, first
     _gate.settle = settle
     try:
         yield
