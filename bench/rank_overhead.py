@@ -11,7 +11,8 @@
    is DDP's (batch split, parameters replicated, gradients all-reduced in buckets during
    backward), with full batches (every rank passes the whole batch, autopar cuts its rows)
    and with local batches (local_inputs=True: each rank passes its own rows, as DDP's
-   loader does).
+   loader does). Each row also prints DDP with its loss all-reduced in forward, the loss
+   autopar returns (the global batch's), as the like-for-like reference beside DDP's own.
 
 Models (Llama-shaped blocks from bench/_blocks.py, mean-square loss): narrow and deep
 (8 x 128), the issue's shape (4 x 256) and wide and shallow (1 x 1024). One torch thread
@@ -118,6 +119,23 @@ def bf16(rank: int, world: int, args) -> None:
     print(f"worst bf16 ratio: {max(ratios):.3f}", flush=True)
 
 
+class _GlobalLoss(torch.nn.Module):
+    """DDP returning the loss autopar returns, the mean over the global batch: its own
+    loss all-reduced in forward (blocking, as a value the caller may read at once), for
+    the row that compares like with like; DDP's own loss is the rank's."""
+
+    def __init__(self, ddp_model: torch.nn.Module) -> None:
+        super().__init__()
+        self.ddp = ddp_model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        loss = self.ddp(x)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return loss + (total / dist.get_world_size() - loss.detach())
+
+
 def ddp(rank: int, world: int, args) -> None:
     from torch.nn.parallel import DistributedDataParallel
     torch.set_num_threads(1)
@@ -129,6 +147,7 @@ def ddp(rank: int, world: int, args) -> None:
         mine = x.chunk(world)[rank]
         for name, make_opt in OPTIMISERS.items():
             sides = {"ddp": _train(DistributedDataParallel(copy.deepcopy(base)), make_opt, mine),
+                     "ddp+loss": _train(_GlobalLoss(DistributedDataParallel(copy.deepcopy(base))), make_opt, mine),
                      "full": _train(_compile(base, x, (world, 1)), make_opt, x),
                      "local": _train(_compile(base, x, (world, 1)), make_opt, mine, local=True)}
             timed = median_steps_s(sides, args.steps)
@@ -137,7 +156,8 @@ def ddp(rank: int, world: int, args) -> None:
                     ratios.append(timed[side] / timed["ddp"])
                     print(f"({world}, 1) vs DDP, {shape}, batch {x.shape[0]}x{seq}, {name:<5}, {side} batches: "
                           f"DDP {timed['ddp'] * 1e3:7.1f} ms, autopar {timed[side] * 1e3:7.1f} ms, "
-                          f"ratio {timed[side] / timed['ddp']:.3f}", flush=True)
+                          f"ratio {timed[side] / timed['ddp']:.3f} (DDP with its loss all-reduced "
+                          f"{timed['ddp+loss'] * 1e3:7.1f} ms, ratio {timed[side] / timed['ddp+loss']:.3f})", flush=True)
     if rank == 0:
         print(f"worst ddp ratio: {max(ratios):.3f}", flush=True)
 
