@@ -262,7 +262,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         if local_inputs and problem is None:  # blocks differ by rank: agree on the program they feed
             compiled, problem = attempt(lambda: self._compiled_for_local(tensors, spec, consts))
         elif problem is None:
-            compiled = self.programs.cached(args, kwargs, self.source_model.training)
+            compiled = self.programs.cached(tensors, spec, consts, self.source_model.training)
         if self._world > 1 and not self._caller_agrees:
             fed = compiled.traced.fingerprint if local_inputs and problem is None else None
             now = problem is not None or compiled is None or self.options.compile  # compiled code skips _ops

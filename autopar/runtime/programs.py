@@ -34,7 +34,11 @@ class StaticSignature:
 
     @staticmethod
     def of(args: tuple, kwargs: dict, training: bool) -> "StaticSignature":
-        tensors, spec, consts = flatten_inputs(args, kwargs)
+        return StaticSignature.of_flat(*flatten_inputs(args, kwargs), training)
+
+    @staticmethod
+    def of_flat(tensors: list[torch.Tensor], spec: Any, consts: tuple, training: bool) -> "StaticSignature":
+        """From the call's inputs as flatten_inputs gives them."""
         return StaticSignature(str(spec), repr(consts), shapes_of(tensors), training)
 
 
@@ -61,12 +65,12 @@ class ProgramCache:
             self._static[key] = self.compile_fn(args, kwargs)
         return self._static[key]
 
-    def cached(self, args: tuple, kwargs: dict, training: bool) -> Optional[Any]:
-        """The program already compiled for this call, or None (with Options.dynamic: None,
-        as its programs are found by the call that needs them)."""
+    def cached(self, tensors: list[torch.Tensor], spec: Any, consts: tuple, training: bool) -> Optional[Any]:
+        """The program already compiled for a call with these flattened inputs, or None (with
+        Options.dynamic: None, as its programs are found by the call that needs them)."""
         if self.dynamic is not None:
             return None
-        return self._static.get(StaticSignature.of(args, kwargs, training))
+        return self._static.get(StaticSignature.of_flat(tensors, spec, consts, training))
 
     def for_local(self, tensors: list[torch.Tensor], spec: Any, consts: tuple, training: bool,
                   mesh_shape: tuple[int, ...], user_specs: Callable[[Any], list],
