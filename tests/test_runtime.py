@@ -155,6 +155,25 @@ def test_eager_compile_has_its_plan_at_once_and_groups_are_made_once_per_mesh():
         torch.testing.assert_close(res["out"], res["want"])
 
 
+def groups_under_a_gpu_bound_default_group(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from autopar.runtime.groups import mesh_groups
+    # what init_process_group("nccl", device_id=cuda:LOCAL_RANK) leaves: every later
+    # new_group is asked for its backend of that device, the gloo ones too
+    dist.group.WORLD.bound_device_id = torch.device("cuda", 0)
+    groups = mesh_groups(autopar.Mesh((world,)), torch.device("cpu"), 60)
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total, group=groups.span)
+    dist.group.WORLD.bound_device_id = None  # the harness's barrier after this runs on the CPU
+    return {"total": total.item()}
+
+
+def test_autopars_gloo_groups_are_made_where_the_default_group_is_bound_to_a_gpu():
+    for (res,) in run_ranks(2, [(groups_under_a_gpu_bound_default_group, {})]):
+        assert res["total"] == 3.0
+
+
 def test_compiled_modules_are_freed_and_process_groups_reused():
     results = run_ranks(2, [(compile_release_compile, {})])
     for (res,) in results:

@@ -16,6 +16,11 @@ different axes still overlap, and compute overlaps all of them.
 
 torch.distributed does not pass options to the gloo groups it makes, so this registers
 a backend of its own name whose groups are ProcessGroupGloo made with one thread.
+It is registered for CUDA as well as CPU, as gloo itself is: where the default group is
+bound to a GPU (init_process_group(device_id=...), how NCCL jobs start), every new group
+is asked for its CUDA backend, and one registered for the CPU alone fails to be made
+("No backend type associated with device type cuda"). autopar's gloo groups carry only
+CPU tensors.
 """
 
 from __future__ import annotations
@@ -39,5 +44,5 @@ def _make(store, rank: int, size: int, timeout: timedelta):
 def serial_gloo() -> str:
     """The backend name for new CPU groups, registered with torch.distributed on first use."""
     if SERIAL_GLOO not in dist.Backend.backend_list:
-        dist.Backend.register_backend(SERIAL_GLOO, _make, devices=["cpu"])
+        dist.Backend.register_backend(SERIAL_GLOO, _make, devices=["cpu", "cuda"])
     return SERIAL_GLOO
