@@ -7,7 +7,8 @@ A Llama-shaped model (random weights), AdamW, fp32 with TF32 matmuls unless said
 
 1. NCCL with one rank, mesh (1,): the plain eager step; autopar eager; autopar with
    Options(compile=True) (Inductor) against torch.compile of the plain model; autopar
-   with param_dtype=bf16 against the plain model under torch.autocast(bf16). Each line
+   with Options(cuda_graphs=True) against torch.compile(mode="reduce-overhead") of the
+   plain model (CUDA graphs; CUDA only); autopar with param_dtype=bf16 against the plain model under torch.autocast(bf16). Each line
    prints the median step and the ratio autopar/plain (<= 1.00 is the goal).
 2. The plan for mesh (2, 4) on the h200 preset (training), every rank's program run in
    lockstep on this one GPU (passes/lower/simulate_mesh.py: collectives become local copies):
@@ -101,6 +102,12 @@ def one_rank(model, kwargs: dict, steps: int) -> list[tuple[str, float, float]]:
     pm = autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200", compile=True)
     rows.append(("compiled fp32", median_s(train_step(pm, kwargs), steps), plain_c))
     del pm, compiled_plain
+    if CUDA.type == "cuda":  # CUDA graphs are refused on a CPU rank
+        graphed_plain = torch.compile(copy.deepcopy(model), mode="reduce-overhead")
+        plain_g = median_s(train_step(graphed_plain, kwargs), steps)
+        pm = autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200", cuda_graphs=True)
+        rows.append(("cuda graphs fp32", median_s(train_step(pm, kwargs), steps), plain_g))
+        del pm, graphed_plain
     plain_bf16 = median_s(train_step(copy.deepcopy(model), kwargs, autocast=True), steps)
     pm = autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200", param_dtype=torch.bfloat16,
                          reduce_dtype=torch.float32)

@@ -15,6 +15,11 @@
 # instead of NCCL): it checks the script, not the GPU (tests/test_gpu_suite.py runs it).
 # Each step has its own time limit; the last line counts the steps that passed, and the
 # exit status is non-zero if any failed.
+#
+# On a bare device machine (torch there, not pulp or highspy, autopar not installed) the
+# script sets itself up first: wheels in .whl/ (downloaded here for its Python and
+# platform, carried along) go to /tmp/autopar-site, and autopar is installed editable
+# without its dependencies.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
@@ -24,6 +29,14 @@ out="${OUT:-bench/results}"
 mkdir -p "$out"
 results="$out/gpu_suite.txt"
 py="${PYTHON:-python3}"
+if ! "$py" -c "import autopar.passes, pulp, highspy" 2>/dev/null; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/autopar-site \
+            .whl/*.whl && export PYTHONPATH="/tmp/autopar-site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    "$py" -m pip install -q --no-deps --no-build-isolation -e . \
+        || { echo "gpu_suite: could not install autopar here" >&2; exit 2; }
+fi
 if [ $dry = 1 ]; then
     sizes=(--device cpu --layers 1 --hidden 64 --seq 16 --batch 2 --steps 2)
     step_mesh=(--mesh 2,2)

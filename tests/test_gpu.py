@@ -99,6 +99,30 @@ def test_torch_compile_of_the_rank_program_on_the_gpu(nccl_one_rank):
     _assert_gradients_match(pm, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_cuda_graphs_of_the_rank_program_train_as_one_device(nccl_one_rank):
+    """Options.cuda_graphs: three SGD steps replayed as CUDA graphs (collectives inside),
+    losses and weights after them against the plain model's eager steps."""
+    model, kwargs = _gpt2_on_cuda()
+    ref = models.build("gpt2", seed=0).to(CUDA).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        pm = autopar.compile(model, (), kwargs, mesh=(1,), device="h200", cuda_graphs=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pm, ref)]
+    for _ in range(3):
+        losses = []
+        for module, opt in zip((pm, ref), opts):
+            loss = loss_of(module(**kwargs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-4)
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    for name in _read_parameters(pm):  # on one rank each shard is the whole weight
+        torch.testing.assert_close(pm.shards.get_parameter(name), want[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{name} after 3 steps: {m}")
+
+
 def test_bf16_compute_with_fp32_masters_on_the_gpu(nccl_one_rank):
     model, kwargs = _gpt2_on_cuda()
     ref = models.build("gpt2", seed=0).to(CUDA).train()

@@ -321,6 +321,22 @@ def test_compile_without_a_cxx_compiler_runs_eagerly_with_one_warning(monkeypatc
     assert run is gm
 
 
+def test_cuda_graphs_are_refused_on_a_cpu_rank_and_with_dynamic_shapes():
+    from autopar.core.errors import OptionsError
+    from autopar.runtime import compiling
+    options = autopar.Options(cuda_graphs=True)
+    assert options.compile and options.compile_options == {"mode": "reduce-overhead"}
+    gm = torch.fx.symbolic_trace(models.build("mlp"))
+    with pytest.raises(OptionsError, match="need the rank's tensors on a CUDA device; this rank runs on cpu"):
+        compiling.compiled_program(gm, torch.device("cpu"), options.compile_options)
+    with pytest.raises(OptionsError, match="replay one recorded shape"):
+        autopar.Options(cuda_graphs=True, dynamic=True)
+    with pytest.raises(OptionsError, match="replay one recorded shape"):  # the same asked through compile_options
+        autopar.Options(compile=True, compile_options={"mode": "reduce-overhead"}, dynamic=True)
+    with pytest.raises(OptionsError, match="mode='max-autotune'"):
+        autopar.Options(cuda_graphs=True, compile_options={"mode": "max-autotune"})
+
+
 def test_eval_after_training_runs_the_models_eval_graph():
     # a module compiled in training mode and switched with pm.eval() must trace the eval
     # graph (no dropout), not keep running the training program; each mode keeps its own

@@ -31,6 +31,8 @@ DEVICE_BUDGET_FRACTION = 0.9
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 # bytes of collectives in flight at once on a rank, by default: the gathered parameters of a few layers
 INFLIGHT_CAP_BYTES = 256 * 2**20
+# torch.compile's mode that replays CUDA graphs (Options.cuda_graphs)
+CUDA_GRAPHS_MODE = "reduce-overhead"
 
 
 class CostSource(TextEnum):
@@ -117,6 +119,10 @@ class Options:
     compile: bool = False
     # keyword arguments for torch.compile (fullgraph=True is the default), e.g. {"mode": "max-autotune"}
     compile_options: Optional[dict] = None
+    # replay each rank's program as CUDA graphs, collectives inside: compile with
+    # torch.compile's mode="reduce-overhead" (CUDA graph trees). One graph records one
+    # shape, so dynamic= is refused; so is a rank on a device other than CUDA
+    cuda_graphs: bool = False
     # mixed precision, as FSDP2's MixedPrecisionPolicy: compute on copies of the floating
     # parameters and inputs in this dtype (e.g. torch.bfloat16) while the optimiser updates
     # the full-precision shards; outputs come back in the parameters' dtype. None: as is
@@ -144,6 +150,7 @@ class Options:
                                 "plans are made for one batch and sequence size; drop one of the two")
         self._normalise()
         self._check_numbers()
+        self._check_cuda_graphs()
         link_overrides(self.links)  # likewise
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
             raise OptionsError(f"Options.nodes={self.nodes!r} is not a positive int; pass the number of machines "
@@ -197,11 +204,30 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise OptionsError(f"Options.{name}={value!r} is not a positive number of seconds")
-        for name in ("follow", "discover_rules", "overlap", "compile"):
+        for name in ("follow", "discover_rules", "overlap", "compile", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not a bool (True or False)")
         if self.training is not None and not isinstance(self.training, bool):
             raise OptionsError(f"Options.training={self.training!r} is not True, False or None (the model's mode)")
+
+    def _check_cuda_graphs(self) -> None:
+        """cuda_graphs=True is compile=True with mode="reduce-overhead"; either spelling
+        is refused with dynamic shapes."""
+        if self.compile_options is not None and not isinstance(self.compile_options, dict):
+            raise OptionsError(f"Options.compile_options={self.compile_options!r} is not a dict of torch.compile "
+                               "keyword arguments")
+        mode = (self.compile_options or {}).get("mode")
+        if self.cuda_graphs:
+            if mode not in (None, CUDA_GRAPHS_MODE):
+                raise OptionsError(f"Options(cuda_graphs=True) compiles with mode={CUDA_GRAPHS_MODE!r}, but "
+                                   f"compile_options asks for mode={mode!r}; drop one of the two")
+            object.__setattr__(self, "compile", True)
+            object.__setattr__(self, "compile_options", {**(self.compile_options or {}), "mode": CUDA_GRAPHS_MODE})
+        if self.compile and self.compile_options and self.compile_options.get("mode") == CUDA_GRAPHS_MODE \
+                and self.dynamic:
+            raise OptionsError(f"CUDA graphs (cuda_graphs=True, torch.compile mode={CUDA_GRAPHS_MODE!r}) replay "
+                               f"one recorded shape, and dynamic={self.dynamic!r} plans for a range of them; drop "
+                               "one of the two (or pad the inputs to one shape)")
 
     @property
     def planning(self) -> "PlanningOptions":
@@ -248,4 +274,5 @@ class RunningOptions:
     max_inflight_bytes: int
     compile: bool
     compile_options: Optional[dict]
+    cuda_graphs: bool
     reduce_dtype: Optional[torch.dtype]

@@ -7,6 +7,11 @@ derives the backward; Inductor then generates the kernels and may reorder the
 collectives' waits itself. Where Inductor cannot run (no C++ compiler for CPU code, no
 Triton for CUDA code), or its compilation fails, the program runs eagerly after one
 warning that names the cause.
+
+Options.cuda_graphs compiles with mode="reduce-overhead": torch's CUDA graph trees record
+the compiled forward and backward once per shape and replay them, the NCCL collectives
+inside, so a step costs a few launches instead of a Python dispatch per op. It needs the
+rank's tensors on a CUDA device and is refused elsewhere.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 from torch import fx
 
 from autopar import _compat
+from autopar.core.errors import OptionsError
+from autopar.core.options import CUDA_GRAPHS_MODE
 
 
 class CompileFallbackWarning(UserWarning):
@@ -39,6 +46,10 @@ def inductor_unavailable(device: torch.device) -> Optional[str]:
 
 def compiled_program(gm: fx.GraphModule, device: torch.device, options: Optional[dict] = None) -> Callable[..., Any]:
     """`gm` under torch.compile, or `gm` itself (with one warning) where that cannot work."""
+    if (options or {}).get("mode") == CUDA_GRAPHS_MODE and device.type != "cuda":
+        raise OptionsError(f"CUDA graphs (Options.cuda_graphs, torch.compile mode={CUDA_GRAPHS_MODE!r}) need the "
+                           f"rank's tensors on a CUDA device; this rank runs on {device}: drop cuda_graphs, or "
+                           "place the model on this rank's GPU")
     reason = inductor_unavailable(device)
     if reason is not None:
         warnings.warn(CompileFallbackWarning(f"Options.compile: running the rank program eagerly: {reason}"),
