@@ -4,8 +4,9 @@
 
 One rank (NCCL on CUDA; gloo with --device cpu, the script's dry run): a Llama-shaped
 model is compiled with cost_model="profile", which times every op kind of its graph on
-this device and writes the profile to DIR/profile-<device>.json (the file to ship for
-users of this accelerator: they plan offline with cost_model="saved" and that path).
+this device and writes the profile to DIR/profile-<device>.json: the file to ship for
+users of this accelerator, as cost_models/profiles/<preset>.json (the preset's name, e.g.
+h200), from which cost_model="saved" without a profile_path plans offline.
 Then the plan's predicted step (Plan.total_s) is set beside the measured median training
 step (forward and backward, no optimiser: what the cost model prices). Prints one line
 per figure; last 'predicted/measured step: <x>' (target 0.8-1.25).

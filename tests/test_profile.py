@@ -135,6 +135,27 @@ def test_the_profile_drives_the_plan(tmp_path):
     assert "profile of cpu" in dear.cost_note and "missing" in dear.cost_note
 
 
+def test_saved_without_a_file_plans_from_the_profile_shipped_for_the_device(tmp_path, monkeypatch):
+    from autopar.core.errors import OptionsError
+    from autopar.cost_models import shipped
+    monkeypatch.setattr(shipped, "PROFILES_DIR", str(tmp_path))
+    model = MLP((256, 1024, 256, 1024, 256)).eval()
+    x = torch.randn(64, 256)
+    with pytest.raises(OptionsError, match=r"none is shipped for 'h100' \(shipped: none yet\)"):
+        autopar.plan(model, (x,), mesh=(1, 4), cost_model="saved", device="h100")
+    p = _profile_with_links(1e-12, 1e-15)  # links cheap enough that the plan splits
+    p.device = "NVIDIA H100 80GB HBM3"
+    save_profile(p, str(tmp_path / "h100.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (x,), mesh=(1, 4), cost_model="saved", device="h100")
+        analytic = autopar.plan(model, (x,), mesh=(1, 4), device="h100")
+    assert "profile of NVIDIA H100 80GB HBM3" in plan.cost_note and "the profile autopar ships: h100.json" in plan.cost_note
+    assert plan.total_s != analytic.total_s  # priced by the profile's links, not the preset's
+    with pytest.raises(OptionsError, match=r"none is shipped for 'h200' \(shipped: h100\)"):
+        autopar.plan(model, (x,), mesh=(1, 4), cost_model="saved", device="h200")
+
+
 def test_each_collective_call_pays_the_wait_for_ranks_sharing_cores():
     """CostModel.collective_sync_s is added once per collective call, forward and
     backward; a grad sync's backward goes into a gradient bucket (one wait per bucket,

@@ -40,7 +40,9 @@ class CostSource(TextEnum):
 
     ANALYTIC = "analytic"  # roofline compute and alpha-beta links of the device preset
     PROFILE = "profile"  # measured on this machine at compile, cached in profile_path
-    SAVED = "saved"  # a profile read from profile_path, nothing measured (plan for hardware you do not have)
+    # a profile read from profile_path, nothing measured (plan for hardware you do not have);
+    # without a profile_path, the one autopar ships for the device (cost_models/shipped.py)
+    SAVED = "saved"
 
 
 class Clustering(TextEnum):
@@ -71,7 +73,8 @@ class Options:
     # {LinkKind.INTER: Link(alpha_s=20e-6, beta_s_per_byte=1 / 25e9, name="ib-200g")}; None: the preset's
     links: Optional[dict] = None
     # where costs come from (CostSource): "analytic", "profile" (measured here, cached in
-    # profile_path) or "saved" (read from profile_path, nothing measured)
+    # profile_path) or "saved" (read from profile_path, or the profile autopar ships for
+    # the device where profile_path is None; nothing measured)
     cost_model: CostSource = CostSource.ANALYTIC
     # the profile file "profile" reads and extends and "saved" reads; None (for "profile"):
     # ~/.cache/autopar/profile-<device name>-torch<version>.json
@@ -177,8 +180,6 @@ class Options:
             put("profile_path", cost)
             cost = CostSource.SAVED
         put("cost_model", CostSource.of_option(cost, "Options.cost_model"))
-        if self.cost_model is CostSource.SAVED and self.profile_path is None:
-            raise OptionsError("Options.cost_model='saved' reads a saved profile: give its file as profile_path=")
         clustering = {True: "inner", False: "off", None: "off"}.get(self.cluster_layers, self.cluster_layers) \
             if isinstance(self.cluster_layers, (bool, type(None))) else self.cluster_layers
         put("cluster_layers", Clustering.of_option(clustering, "Options.cluster_layers", extra=" (or True / False)"))

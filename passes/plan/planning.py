@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import replace
 from typing import Any, Optional
@@ -20,6 +21,7 @@ from autopar.cost_models.devices import DeviceSpec, budget_words, preset
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
 from autopar.cost_models.profile import Profile, compute_key, program_key
+from autopar.cost_models.shipped import shipped_profile_path
 from autopar.core.errors import SolverError
 from autopar.passes.solve.solve import solve
 from autopar.passes.solve.solver_backend import solver_name
@@ -48,8 +50,10 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     traced, mesh = graph.traced, graph.mesh
     training = traced.training if options.training is None else options.training
     costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
+    source = ""  # where a saved profile was read from, for the note
     if profile is None and options.cost_model is CostSource.SAVED:
-        profile = load_profile(options.profile_path)
+        source = options.profile_path or shipped_profile_path(costs.device.name)
+        profile = load_profile(source)
     note = f"analytic preset {costs.device.name}" + _device_words(costs.device)
     if profile is not None:
         missed: set[str] = set()  # the op shapes the profile has no timing for (priced analytically)
@@ -61,7 +65,9 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     plan = solve(graph, costs, options, _warm_start(graph, options, coarse))
     if profile is not None:
         measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
-        note = (f"profile of {profile.device} (torch {profile.torch_version}): {len(missed)} op timings "
+        shipped = f", the profile autopar ships: {os.path.basename(source)}" \
+            if source and options.profile_path is None else ""
+        note = (f"profile of {profile.device} (torch {profile.torch_version}{shipped}): {len(missed)} op timings "
                 f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
                 + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
                    else "")
