@@ -19,7 +19,9 @@
 # On a bare device machine (torch there, not pulp or highspy, autopar not installed) the
 # script sets itself up first: wheels in .whl/ (downloaded here for its Python and
 # platform, carried along) go to /tmp/autopar-site, and autopar is installed editable
-# without its dependencies.
+# without its dependencies (or, where that cannot build, its folders are linked in place).
+# From a session with a lent machine: download pulp and highspy wheels for its Python
+# (/work/.library/device/README.md says how) into .whl/, then run this with .whl carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
@@ -34,8 +36,12 @@ if ! "$py" -c "import autopar.passes, pulp, highspy" 2>/dev/null; then
         "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/autopar-site \
             .whl/*.whl && export PYTHONPATH="/tmp/autopar-site${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    "$py" -m pip install -q --no-deps --no-build-isolation -e . \
-        || { echo "gpu_suite: could not install autopar here" >&2; exit 2; }
+    if ! "$py" -m pip install -q --no-deps --no-build-isolation -e .; then
+        # no setuptools to build with: the package's folders linked where autopar looks for them
+        ln -sfn "$PWD/passes" autopar/passes && ln -sfn "$PWD/cost_models" autopar/cost_models
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    "$py" -c "import autopar.passes, pulp, highspy" || { echo "gpu_suite: could not set up autopar here" >&2; exit 2; }
 fi
 if [ $dry = 1 ]; then
     sizes=(--device cpu --layers 1 --hidden 64 --seq 16 --batch 2 --steps 2)
