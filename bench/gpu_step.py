@@ -8,8 +8,9 @@ A Llama-shaped model (random weights), AdamW, fp32 with TF32 matmuls unless said
 1. NCCL with one rank, mesh (1,): the plain eager step; autopar eager; autopar with
    Options(compile=True) (Inductor) against torch.compile of the plain model; autopar
    with Options(cuda_graphs=True) against torch.compile(mode="reduce-overhead") of the
-   plain model (CUDA graphs; CUDA only); autopar with param_dtype=bf16 against the plain model under torch.autocast(bf16). Each line
-   prints the median step and the ratio autopar/plain (<= 1.00 is the goal).
+   plain model (CUDA graphs; CUDA only); autopar with param_dtype=bf16 against the plain
+   model under torch.autocast(bf16). Each line prints the median step and the ratio
+   autopar/plain (<= 1.00 is the goal).
 2. The plan for mesh (2, 4) on the h200 preset (training), every rank's program run in
    lockstep on this one GPU (passes/lower/simulate_mesh.py: collectives become local copies):
    eight ranks' forward and backward against one unsharded forward and backward. The

@@ -224,8 +224,7 @@ class Options:
                                    f"compile_options asks for mode={mode!r}; drop one of the two")
             object.__setattr__(self, "compile", True)
             object.__setattr__(self, "compile_options", {**(self.compile_options or {}), "mode": CUDA_GRAPHS_MODE})
-        if self.compile and self.compile_options and self.compile_options.get("mode") == CUDA_GRAPHS_MODE \
-                and self.dynamic:
+        if self.compile and (self.compile_options or {}).get("mode") == CUDA_GRAPHS_MODE and self.dynamic:
             raise OptionsError(f"CUDA graphs (cuda_graphs=True, torch.compile mode={CUDA_GRAPHS_MODE!r}) replay "
                                f"one recorded shape, and dynamic={self.dynamic!r} plans for a range of them; drop "
                                "one of the two (or pad the inputs to one shape)")
