@@ -1,10 +1,12 @@
 """Stage 7: the program and the parameter shards of one rank.
 
-    Plan + TracedGraph + rank -> rewrite (stage 5) -> recomputed blocks -> schedule (stage 6)
+    Plan + TracedGraph + rank -> rewrite (stage 5) -> fold -> recomputed blocks -> schedule (stage 6)
                               -> RankProgram(gm, input order, specs)
 
-The blocks the plan recomputes become checkpointed submodules (passes/lower/recompute.py)
-before the schedule, which then orders the program and each block's body on its own.
+The fold (passes/lower/fold.py) drops what need not run every step (export's assertions,
+causal masks rebuilt from constants). The blocks the plan recomputes become checkpointed
+submodules (passes/lower/recompute.py) before the schedule, which then orders the program
+and each block's body on its own.
 
 The program takes its inputs in the traced graph's placeholder order: parameters,
 buffers, constants, then the user's tensor leaves, each as this rank's block. It
@@ -28,6 +30,7 @@ from autopar.core.log import logged
 from autopar.core.options import INFLIGHT_CAP_BYTES
 from autopar.core.placement import Spec, local_chunk
 from autopar.core.plan import Plan
+from autopar.passes.lower.fold import fold
 from autopar.passes.lower.recompute import bodies, checkpoint_blocks
 from autopar.passes.lower.rewrite import deferred_grad_syncs, rewrite
 from autopar.passes.lower.schedule import schedule
@@ -58,7 +61,7 @@ def emit(traced: TracedGraph, plan: Plan, coords: tuple[int, ...], device: Optio
     (passes/lower/schedule.py); None keeps each step where the rewrite put it."""
     check_fingerprint(plan, traced, "the plan")
     deferred = deferred_grad_syncs(traced, plan) if defer_grad_sync else {}
-    gm = rewrite(traced, plan, device, deferred, coords)
+    gm = fold(rewrite(traced, plan, device, deferred, coords))
     if plan.recompute:
         checkpoint_blocks(gm, plan)
     if inflight_cap_bytes is not None:
