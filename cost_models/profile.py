@@ -25,6 +25,7 @@ autopar/core/files.py.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Optional
@@ -118,6 +119,20 @@ class Profile:
 def program_key(fingerprint: str, mesh_shape: tuple[int, ...], training: bool) -> str:
     """Profile.program_factor's key: a traced graph's fingerprint, the mesh, and the mode."""
     return f"{fingerprint}|{'x'.join(map(str, mesh_shape))}|{'train' if training else 'infer'}"
+
+
+def program_factor_of(profile: "Profile", fingerprint: str, mesh_shape: tuple[int, ...],
+                      training: bool) -> tuple[float, bool]:
+    """(factor, measured for this graph): the profile's factor for this graph, mesh and
+    mode; else the median of its factors for the mode on other graphs (a shipped profile
+    was measured on one model: how much faster or slower ops run inside a program is
+    mostly the device's dispatch, not the model's); else 1."""
+    own = profile.program_factor.get(program_key(fingerprint, mesh_shape, training))
+    if own is not None:
+        return own, True
+    mode = "train" if training else "infer"
+    others = [v for k, v in profile.program_factor.items() if k.rsplit("|", 1)[-1] == mode]
+    return (statistics.median(others), False) if others else (1.0, False)
 
 
 # ---- fitting calibration timings --------------------------------------------------

@@ -3,6 +3,7 @@ really drive the plan."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import replace
 
@@ -255,3 +256,25 @@ def test_a_sharded_rank_program_runs_alone_with_stand_in_collectives(family):
     simulated = simulate(traced, plan, state, user, traced.constants)[0][0]
     assert [t.shape for t in alone] == [t.shape for t in simulated]
     assert 0 < time_program(traced, plan, torch.device("cpu"), state, user, training=True) < 10
+
+
+def test_the_shipped_h200_profile_predicts_the_step_measured_on_the_h200():
+    """cost_models/profiles/h200.json, measured by bench/gpu_suite.sh on a lent H200, plans
+    the suite's model offline on the meta device (traced here, by this torch); its predicted
+    training step is held against the step the suite measured there (bench/results/
+    gpu_suite_h200.txt, 'measured step'), within the suite's own target band 0.8-1.25."""
+    import re
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from gpu_profile import llama
+    record = (Path(__file__).parents[1] / "bench" / "results" / "gpu_suite_h200.txt").read_text()
+    measured_s = float(re.search(r"measured step ([\d.]+) ms", record).group(1)) / 1e3
+    model = llama(4, 1024, torch.device("meta"))
+    ids = torch.zeros(8, 512, dtype=torch.int64, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (), {"input_ids": ids, "labels": ids}, mesh=(1,), cost_model="saved",
+                            device="h200", training=True)
+    assert "profile of NVIDIA H200" in plan.cost_note and "the profile autopar ships: h200.json" in plan.cost_note
+    assert "inside the rank program (measured" in plan.cost_note
+    assert 0.8 <= plan.total_s / measured_s <= 1.25, (plan.total_s, measured_s, plan.cost_note)

@@ -20,7 +20,7 @@ from autopar.core.plan import Plan
 from autopar.cost_models.devices import DeviceSpec, budget_words, preset
 from autopar.cost_models.model import CostModel
 from autopar.core.files import read_json
-from autopar.cost_models.profile import Profile, compute_key, program_key
+from autopar.cost_models.profile import Profile, compute_key, program_factor_of
 from autopar.cost_models.shipped import shipped_profile_path
 from autopar.core.errors import SolverError
 from autopar.passes.solve.solve import solve
@@ -57,7 +57,7 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     note = f"analytic preset {costs.device.name}" + _device_words(costs.device)
     if profile is not None:
         missed: set[str] = set()  # the op shapes the profile has no timing for (priced analytically)
-        in_program = profile.program_factor.get(program_key(traced.fingerprint, mesh.shape, training), 1.0)
+        in_program, own_graph = program_factor_of(profile, traced.fingerprint, mesh.shape, training)
         costs = replace(costs, compute_table=_noting_misses(profile, missed), backward_table=profile.backward_s,
                         measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
                         compute_scale=profile.cpu_contention * in_program,
@@ -71,7 +71,8 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                 f"missing, analytic instead; links {'measured' if measured_links else 'from the preset'}"
                 + (f"; compute x{profile.cpu_contention:g} for ranks sharing cores" if profile.cpu_contention != 1
                    else "")
-                + (f"; ops x{in_program:.3g} inside the rank program (measured)" if in_program != 1.0 else "")
+                + (f"; ops x{in_program:.3g} inside the rank program (measured"
+                   + ("" if own_graph else " on another graph") + ")" if in_program != 1.0 else "")
                 + (f"; {profile.collective_sync_s * 1e3:.2f} ms per collective waiting for ranks sharing cores"
                    if profile.collective_sync_s else ""))
     budget = budget_words(options.memory_budget_bytes, costs.device)
