@@ -10,7 +10,7 @@ A Llama-shaped model (random weights), AdamW, fp32 with TF32 matmuls unless said
    with Options(cuda_graphs=True) against torch.compile(mode="reduce-overhead") of the
    plain model (CUDA graphs; CUDA only); autopar with param_dtype=bf16 against the plain
    model under torch.autocast(bf16). Each line prints the median step and the ratio
-   autopar/plain (<= 1.00 is the goal).
+   autopar/plain (<= 1.00 is the goal); the two sides of a line take turns step by step.
 2. The plan for mesh (2, 4) on the h200 preset (training), every rank's program run in
    lockstep on this one GPU (passes/lower/simulate_mesh.py: collectives become local copies):
    eight ranks' forward and backward against one unsharded forward and backward. The
@@ -61,17 +61,21 @@ def llama(layers: int, hidden: int, vocab: int = 32000):
     return LlamaForCausalLM(cfg).to(CUDA).train()
 
 
-def median_s(step: Callable[[], object], steps: int, warmup: int = 3) -> float:
+def median_s(sides: dict[str, Callable[[], object]], steps: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per step of each side; the sides take turns step by step, so a slow
+    spell of the machine falls on every side alike."""
     for _ in range(warmup):
-        step()
-    _sync()
-    times = []
+        for step in sides.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, step in sides.items():
+            _sync()
+            t0 = time.perf_counter()
+            step()
+            _sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _sync() -> None:
@@ -92,27 +96,22 @@ def train_step(module, kwargs: dict, autocast: bool = False) -> Callable[[], Non
 
 
 def one_rank(model, kwargs: dict, steps: int) -> list[tuple[str, float, float]]:
-    """(side, autopar s, plain s) per line of section 1."""
+    """(side, autopar s, plain s) per line of section 1, the two sides of a line in turns."""
     rows = []
-    plain = median_s(train_step(copy.deepcopy(model), kwargs), steps)
-    pm = autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200")
-    rows.append(("eager fp32", median_s(train_step(pm, kwargs), steps), plain))
-    del pm
-    compiled_plain = torch.compile(copy.deepcopy(model))
-    plain_c = median_s(train_step(compiled_plain, kwargs), steps)
-    pm = autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200", compile=True)
-    rows.append(("compiled fp32", median_s(train_step(pm, kwargs), steps), plain_c))
-    del pm, compiled_plain
+
+    def row(name: str, pm, plain, autocast: bool = False) -> None:
+        t = median_s({"autopar": train_step(pm, kwargs), "plain": train_step(plain, kwargs, autocast)}, steps)
+        rows.append((name, t["autopar"], t["plain"]))
+    row("eager fp32", autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200"), copy.deepcopy(model))
+    row("compiled fp32", autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200", compile=True),
+        torch.compile(copy.deepcopy(model)))
     if CUDA.type == "cuda":  # CUDA graphs are refused on a CPU rank
-        graphed_plain = torch.compile(copy.deepcopy(model), mode="reduce-overhead")
-        plain_g = median_s(train_step(graphed_plain, kwargs), steps)
-        pm = autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200", cuda_graphs=True)
-        rows.append(("cuda graphs fp32", median_s(train_step(pm, kwargs), steps), plain_g))
-        del pm, graphed_plain
-    plain_bf16 = median_s(train_step(copy.deepcopy(model), kwargs, autocast=True), steps)
-    pm = autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200", param_dtype=torch.bfloat16,
-                         reduce_dtype=torch.float32)
-    rows.append(("eager bf16 (autocast baseline)", median_s(train_step(pm, kwargs), steps), plain_bf16))
+        row("cuda graphs fp32", autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200",
+                                                cuda_graphs=True),
+            torch.compile(copy.deepcopy(model), mode="reduce-overhead"))
+    row("eager bf16 (autocast baseline)", autopar.compile(copy.deepcopy(model), (), kwargs, mesh=(1,), device="h200",
+                                                          param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        copy.deepcopy(model), autocast=True)
     return rows
 
 
@@ -143,7 +142,8 @@ def eight_way(model, kwargs: dict, steps: int, mesh: tuple[int, ...]) -> tuple[f
     def unsharded() -> None:
         loss_of(ref(**kwargs)).backward()
     split = sum(1 for n in plan.nodes if n.kind == "parameter" and n.outputs and not n.outputs[0].is_replicated())
-    return median_s(sharded, steps), median_s(unsharded, steps), plan.compute_s, f"{split} parameters split"
+    t = median_s({"sharded": sharded, "unsharded": unsharded}, steps)
+    return t["sharded"], t["unsharded"], plan.compute_s, f"{split} parameters split"
 
 
 def main() -> None:

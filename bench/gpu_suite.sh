@@ -7,6 +7,7 @@
 #   3. bench/gpu_profile.py         (a measured profile of this GPU, written beside the
 #                                    results to ship under cost_models/profiles/, and its
 #                                    predicted step against the measured one)
+#   4. bench/gpu_kernels.py         (the bf16 step's kernels, autopar beside autocast)
 #
 #   bench/gpu_suite.sh [--dry-run]
 #
@@ -17,7 +18,8 @@
 # exit status is non-zero if any failed.
 #
 # On a bare device machine (torch there, not pulp or highspy, autopar not installed) the
-# script sets itself up first: wheels in .whl/ (downloaded here for its Python and
+# script sets itself up first (bench/gpu_setup.sh, which a single bench script's run can
+# source too): wheels in .whl/ (downloaded here for its Python and
 # platform, carried along) go to /tmp/autopar-site, and autopar is installed editable
 # without its dependencies (or, where that cannot build, its folders are linked in place).
 # From a session with a lent machine: download pulp and highspy wheels for its Python
@@ -30,19 +32,7 @@ dry=0
 out="${OUT:-bench/results}"
 mkdir -p "$out"
 results="$out/gpu_suite.txt"
-py="${PYTHON:-python3}"
-if ! "$py" -c "import autopar.passes, pulp, highspy" 2>/dev/null; then
-    if compgen -G ".whl/*.whl" >/dev/null; then
-        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/autopar-site \
-            .whl/*.whl && export PYTHONPATH="/tmp/autopar-site${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-    if ! "$py" -m pip install -q --no-deps --no-build-isolation -e .; then
-        # no setuptools to build with: the package's folders linked where autopar looks for them
-        ln -sfn "$PWD/passes" autopar/passes && ln -sfn "$PWD/cost_models" autopar/cost_models
-        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-    "$py" -c "import autopar.passes, pulp, highspy" || { echo "gpu_suite: could not set up autopar here" >&2; exit 2; }
-fi
+. bench/gpu_setup.sh
 if [ $dry = 1 ]; then
     sizes=(--device cpu --layers 1 --hidden 64 --seq 16 --batch 2 --steps 2)
     step_mesh=(--mesh 2,2)
@@ -74,5 +64,6 @@ step() {  # step <seconds> <name> <command...>
 step 150 "gpu tests" "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
 step 200 "gpu step" "$py" bench/gpu_step.py "${sizes[@]}" "${step_mesh[@]}"
 step 120 "gpu profile" "$py" bench/gpu_profile.py --out "$out" "${sizes[@]}"
+[ $dry = 1 ] || step 90 "gpu kernels" "$py" bench/gpu_kernels.py --dtype bf16
 echo "gpu_suite: $passed of $total steps passed" | tee -a "$results"
 [ $passed = $total ]
