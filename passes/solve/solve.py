@@ -34,64 +34,32 @@ still adds its own cost terms, so the objective prices each block and each bound
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Optional
 
 from autopar.core.errors import MemoryBudgetError, SolverError
 from autopar.core.kinds import NodeKind
 from autopar.core.log import logged
 from autopar.core.options import MEMORY_AUTO, Clustering, CostSource, Options
 from autopar.core.plan import Plan
-from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, RecomputedBlock, SolverReport
+from autopar.core.plan_parts import RecomputedBlock, SolverReport
 from autopar.core.placement import Spec
 from autopar.cost_models.devices import budget_words, memory_budget
-from autopar.cost_models.memory import node_bytes
-from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import plan_hidden_s
 from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks, shared_blocks_of
 from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
 from autopar.passes.solve.greedy import greedy_picks
 from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, time_objective)
 from autopar.passes.solve.ilp_overlap import least_backward, least_forward, parameter_shares
+from autopar.passes.solve.prices import node_costs, node_memory
+from autopar.passes.solve.read_back import read_plan
 from autopar.passes.solve.recompute_ilp import block_terms
-from autopar.passes.trace.saved import saved_outputs
-from autopar.core.routed import ROUTED_EXPERTS
-from autopar.passes.rules import Strategy
-from autopar.passes.trace.experts import routing_notes
 from autopar.passes.solve.solver_backend import Solution, SolveStatus, solve_program, solver_name
 from autopar.passes.solve.warm_start import StartingLayouts, starting_picks, starting_solution
 from autopar.passes.strategies.strategies import AnnotatedGraph, PlannedNode
 
 
-# ---- 1. prices ---------------------------------------------------------------------
-
-def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]]:
-    out = {}
-    for n in graph.nodes:
-        if n.call is None:
-            out[n.name] = [0.0] * len(n.strategies)
-        else:
-            # an op's own communication (routed experts' all-to-alls) counts with its compute
-            out[n.name] = [costs.op_cost(n.call.target, s.inputs, s.outputs).total_s for s in n.strategies]
-    return out
-
-
-def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
-    """Bytes per rank of every node's strategies; in training an op counts the outputs
-    autograd keeps for backward (passes/trace/saved.py)."""
-    kept = _kept(graph, costs)
-    return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
-                                costs.training, options.optimizer_state_bytes, kept.get(n.name, ()))
-                     for s in n.strategies]
-            for n in graph.nodes}
-
-
-def _kept(graph: AnnotatedGraph, costs: CostModel) -> dict[str, tuple[bool, ...]]:
-    return saved_outputs(graph.traced) if costs.training else {}
-
-
-# ---- 2. groups ---------------------------------------------------------------------
+# ---- 2. groups (1, prices: passes/solve/prices.py) ---------------------------------------------------------------------
 
 def build_groups(graph: AnnotatedGraph, pricer: EdgePricer, follow: bool, store_as_read: bool = True,
                  block_of: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, Member]:
@@ -178,7 +146,7 @@ def _backward_member(p: PlannedNode, consumer: str, position: int, graph: Annota
     return Member(lead.leader, tuple(index))
 
 
-# ---- 3. solve ---------------------------------------------------------------------
+# ---- 3. solve (4, read back: passes/solve/read_back.py)---------------------------------------------------------------------
 
 def solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Optional[StartingLayouts] = None
           ) -> Plan:
@@ -329,68 +297,3 @@ def _picks(ilp: Ilp, solution: Solution, name: str) -> dict[str, int]:
                               "Options.follow=True")
         picks[leader] = best
     return picks
-
-
-# ---- 4. read back -----------------------------------------------------------------
-
-def _alternative(n: PlannedNode, alt: Strategy, compute_s: float, chosen: dict[str, Strategy],
-                 consumers: dict[str, list[tuple[PlannedNode, int, int]]], pricer: EdgePricer) -> Alternative:
-    into = sum(pricer.cost_s(chosen[u].outputs[k], alt, pos) for pos, (u, k) in enumerate(n.inputs))
-    out_of = sum(pricer.cost_s(alt.outputs[k], chosen[v.name], pos) for v, pos, k in consumers.get(n.name, ()))
-    return Alternative(alt.inputs, alt.outputs, compute_s, into, out_of)
-
-
-def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
-              costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
-              compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = (),
-              least: Optional[Sequence[float]] = None, least_fwd: Optional[Sequence[float]] = None) -> Plan:
-    """`compute`: node_costs(graph, costs), when the caller has it; `recompute`: the
-    blocks recomputed in backward (their forward again, their inner bytes not kept);
-    `least`: in training, the ILP's least backward per node (ilp_overlap.least_backward),
-    which the plan's hidden seconds are counted from as the objective counted them."""
-    compute = compute or node_costs(graph, costs)
-    chosen: dict[str, Strategy] = {}
-    for n in graph.nodes:
-        m = groups[n.name]
-        chosen[n.name] = n.strategies[m.index_map[picks[m.leader]]]
-    nodes, edges = [], []
-    compute_total = comm_total = 0.0
-    param_bytes = act_bytes = state_bytes = 0
-    mesh = graph.mesh.shape
-    consumers: dict[str, list[tuple[PlannedNode, int, int]]] = {}
-    for n in graph.nodes:
-        for pos, (u, k) in enumerate(n.inputs):
-            consumers.setdefault(u, []).append((n, pos, k))
-    kept = _kept(graph, costs)
-    for n in graph.nodes:
-        s = chosen[n.name]
-        c = compute[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
-        # an op's own communication (routed experts' all-to-alls) is reported as communication
-        own_comm = costs.op_cost(n.call.target, s.inputs, s.outputs).comm_s \
-            if n.call is not None and n.call.target is ROUTED_EXPERTS else 0.0
-        compute_total += c - own_comm
-        comm_total += own_comm
-        options = tuple(_alternative(n, alt, compute[n.name][i], chosen, consumers, pricer)
-                        for i, alt in enumerate(n.strategies))
-        nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
-                                groups[n.name].leader, n.kind, kept.get(n.name, ())))
-        nbytes = memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
-        if n.kind.is_state or n.kind is NodeKind.CONSTANT:
-            param_bytes += s.outputs[0].local_nbytes(mesh)
-            state_bytes += nbytes - s.outputs[0].local_nbytes(mesh)
-        else:
-            act_bytes += nbytes
-        for pos, (u, k) in enumerate(n.inputs):
-            steps = pricer.steps(chosen[u].outputs[k], s, pos)
-            assert steps is not None, f"solver picked an unreachable reshard {u} -> {n.name}"
-            comm = costs.steps_cost(steps).total_s
-            comm_total += comm
-            edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
-    again = recompute_terms(nodes, edges, recompute, costs)
-    hidden = plan_hidden_s(nodes, edges, costs, least, least_fwd or [0.0] * len(nodes)) if least is not None else 0.0
-    return Plan(mesh=graph.mesh, model_name=graph.traced.model_name, fingerprint=graph.traced.fingerprint,
-                training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
-                compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
-                activation_bytes=act_bytes + again.memory_bytes, solver=report, unruled_ops=graph.unruled_ops,
-                state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden,
-                routing_notes=routing_notes(graph.traced.gm))

@@ -172,9 +172,10 @@ def annotate(traced: TracedGraph, mesh: Mesh, pinned: dict[str, tuple[Placement,
     unruled: dict[str, None] = {}
     # a split of a symbolic size is planned even (passes/trace/dynamic.py)
     units = None if traced.symbolic else head_units(traced.gm)
+    expanded: dict[tuple, list[Strategy]] = {}  # repeated layers: one expansion, the same Strategy objects
     for node in traced.gm.graph.nodes:
         planned = _plan_node(node, traced, mesh, inputs, pinned, by_name, unruled,
-                             discovered if discover_rules else None, units)
+                             discovered if discover_rules else None, units, expanded)
         if planned is not None:
             nodes.append(planned)
             by_name[planned.name] = planned
@@ -196,9 +197,10 @@ def _plan_placeholder(gi: Any, mesh: Mesh, pinned: dict, units: Optional[Units])
 
 
 def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pinned: dict,
-               by_name: dict, unruled: dict, discovered: Optional[dict], units: Optional[Units]
-               ) -> Optional[PlannedNode]:
-    """`units`: None where uneven splits are off, else head_units of the graph."""
+               by_name: dict, unruled: dict, discovered: Optional[dict], units: Optional[Units],
+               expanded: dict[tuple, list[Strategy]]) -> Optional[PlannedNode]:
+    """`units`: None where uneven splits are off, else head_units of the graph; `expanded`:
+    the strategies of each (rules, op, tensor metas) expanded so far."""
     # 1. placeholders
     if node.op == "placeholder":
         return _plan_placeholder(inputs[node.name], mesh, pinned, units)
@@ -247,13 +249,28 @@ def _plan_node(node: fx.Node, traced: TracedGraph, mesh: Mesh, inputs: dict, pin
                 f"{len(r.outputs)} output placements; the op has {len(call.inputs)} tensor inputs and "
                 f"{len(call.outputs)} tensor outputs")
     hand = units is not None and source == "hand"
-    strategies = expand(axis_rules, call, mesh.shape, hand, units if hand else None)
+    strategies = _expanded(expanded, axis_rules, call, mesh.shape, hand, units if hand else None)
     if OpOutput(node.name) in pinned:
         strategies = _pinned_strategies(node, strategies, tuple(pinned[OpOutput(node.name)]))
     for key in [k for k in pinned if isinstance(k, OpInput) and k.node == node.name]:
         strategies = _pinned_strategies(node, strategies, tuple(pinned[key]), key.position)
     return PlannedNode(node.name, str(node.target), tuple((a.name, 0) for a in ins), tuple(strategies), call,
                        module_path(node), source)
+
+
+def _expanded(memo: dict[tuple, list[Strategy]], axis_rules: list, call: OpCall, mesh_shape: tuple[int, ...],
+              uneven: bool, units: Optional[Units]) -> list[Strategy]:
+    """expand(...), memoised on everything it reads: the L layers of a model share their
+    ops' strategies, and so the per-strategy memos downstream (edge prices, tables)."""
+    key = (tuple(axis_rules), call.target, call.inputs, call.outputs, mesh_shape, uneven,
+           None if units is None else tuple(sorted(units.items())))
+    try:
+        found = memo.get(key)
+    except TypeError:  # a symbolic size (dynamic shapes) hashes to nothing: expanded afresh
+        return expand(axis_rules, call, mesh_shape, uneven, units)
+    if found is None:
+        found = memo[key] = expand(axis_rules, call, mesh_shape, uneven, units)
+    return found
 
 
 def _pinned_strategies(node: fx.Node, strategies: list[Strategy], layout: tuple[Optional[Placement], ...],

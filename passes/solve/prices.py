@@ -1,0 +1,42 @@
+"""Stage 4, step 1: every node's strategies priced: compute seconds (node_costs) and
+bytes per rank (node_memory); passes/solve/solve.py reads them into the ILP and
+passes/solve/read_back.py into the plan. Reshards are priced on demand by EdgePricer."""
+
+from __future__ import annotations
+
+from autopar.core.options import Options
+from autopar.cost_models.memory import node_bytes
+from autopar.cost_models.model import CostModel
+from autopar.passes.strategies.strategies import AnnotatedGraph
+from autopar.passes.trace.saved import saved_outputs
+
+
+def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]]:
+    """Seconds of every node's strategies; an op's own communication (routed experts'
+    all-to-alls) counts with its compute. Priced once per (op, strategy list): the nodes of
+    repeated layers share their strategy lists (passes/strategies/strategies.py _expanded)."""
+    out: dict[str, list[float]] = {}
+    priced: dict[tuple, list[float]] = {}
+    for n in graph.nodes:
+        if n.call is None:
+            out[n.name] = [0.0] * len(n.strategies)
+            continue
+        key = (n.call.target, tuple(map(id, n.strategies)))
+        if key not in priced:
+            priced[key] = [costs.op_cost(n.call.target, s.inputs, s.outputs).total_s for s in n.strategies]
+        out[n.name] = list(priced[key])
+    return out
+
+
+def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
+    """Bytes per rank of every node's strategies; in training an op counts the outputs
+    autograd keeps for backward (passes/trace/saved.py)."""
+    kept = kept_outputs(graph, costs)
+    return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
+                                costs.training, options.optimizer_state_bytes, kept.get(n.name, ()))
+                     for s in n.strategies]
+            for n in graph.nodes}
+
+
+def kept_outputs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, tuple[bool, ...]]:
+    return saved_outputs(graph.traced) if costs.training else {}
