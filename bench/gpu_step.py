@@ -16,7 +16,9 @@ A Llama-shaped model (random weights), AdamW, fp32 with TF32 matmuls unless said
    eight ranks' forward and backward against one unsharded forward and backward. The
    ratio (8 ranks' time / unsharded) is the cost of smaller kernels and of the moves
    themselves (1.00 would be perfect splitting); the predicted per-rank compute of the
-   plan is printed beside the measured time / 8.
+   plan is printed beside the measured time / 8. On CUDA a second line has both steps
+   captured whole as CUDA graphs and replayed: the kernels without Python and dispatch
+   (target: within 1.5x of the unsharded step).
 
 Needs CUDA; prints one line per figure and a summary. NCCL refuses several ranks on one
 GPU, so the multi-rank runtime is measured on gloo (bench/peer_speed.py)."""
@@ -115,11 +117,16 @@ def one_rank(model, kwargs: dict, steps: int) -> list[tuple[str, float, float]]:
     return rows
 
 
-def eight_way(model, kwargs: dict, steps: int, mesh: tuple[int, ...]) -> tuple[float, float, float, str]:
-    """(8 ranks' fwd+bwd s in lockstep, unsharded fwd+bwd s, predicted per-rank compute s, plan summary)."""
+Row = tuple[str, float, float]
+
+
+def eight_way(model, kwargs: dict, steps: int, mesh: tuple[int, ...]) -> tuple[list[Row], float, str]:
+    """([(how, 8 ranks' fwd+bwd s in lockstep, unsharded fwd+bwd s)], predicted per-rank
+    compute s, plan summary): eager, and on CUDA each side captured as one CUDA graph."""
     traced = trace(model, (), kwargs)
     plan = plan_traced(traced, Mesh(mesh), Options(device="h200", training=True))[1]
-    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
     detached = {k: v.detach() for k, v in state.items()}
     user = flatten_inputs((), kwargs)[0]
     programs, inputs = [], []
@@ -143,7 +150,30 @@ def eight_way(model, kwargs: dict, steps: int, mesh: tuple[int, ...]) -> tuple[f
         loss_of(ref(**kwargs)).backward()
     split = sum(1 for n in plan.nodes if n.kind == "parameter" and n.outputs and not n.outputs[0].is_replicated())
     t = median_s({"sharded": sharded, "unsharded": unsharded}, steps)
-    return t["sharded"], t["unsharded"], plan.compute_s, f"{split} parameters split"
+    rows = [("eager", t["sharded"], t["unsharded"])]
+    if CUDA.type == "cuda":  # the same two steps each captured whole as one CUDA graph and replayed
+        try:
+            g = median_s({"sharded": cuda_graphed(sharded), "unsharded": cuda_graphed(unsharded)}, steps)
+            rows.append(("cuda graphs", g["sharded"], g["unsharded"]))
+        except Exception as e:  # noqa: BLE001 - reported in the row, the eager figures stand
+            print(f"cuda graphs of the lockstep step could not be captured: {type(e).__name__}: {e}", flush=True)
+    return rows, plan.compute_s, f"{split} parameters split"
+
+
+def cuda_graphed(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` (forward and backward, gradients accumulating in place) warmed up on a side
+    stream, captured once as a CUDA graph, and replayed on each call: what the step costs
+    without Python and dispatch, the kernels alone."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def main() -> None:
@@ -186,10 +216,11 @@ def main() -> None:
         n = 1
         for s in mesh:
             n *= s
-        lock, whole, predicted, what = eight_way(model, kwargs, max(3, args.steps // 2), mesh)
-        print(f"{n}-way plan {mesh} ({what}) on one GPU: {n} ranks' fwd+bwd {lock * 1e3:.2f} ms, unsharded "
-              f"{whole * 1e3:.2f} ms, ratio {lock / whole:.2f}; per rank measured {lock / n * 1e3:.3f} ms, "
-              f"predicted compute {predicted * 1e3:.3f} ms", flush=True)
+        rows, predicted, what = eight_way(model, kwargs, max(3, args.steps // 2), mesh)
+        for how, lock, whole in rows:
+            print(f"{n}-way plan {mesh} ({what}) on one GPU, {how}: {n} ranks' fwd+bwd {lock * 1e3:.2f} ms, "
+                  f"unsharded {whole * 1e3:.2f} ms, ratio {lock / whole:.2f}; per rank measured "
+                  f"{lock / n * 1e3:.3f} ms, predicted compute {predicted * 1e3:.3f} ms", flush=True)
     if ratios:
         print(f"worst one-rank autopar/plain ratio: {max(ratios):.2f}")
 
