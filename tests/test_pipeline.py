@@ -194,12 +194,14 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, schedule: str,
                   microbatches: int = 2, batch: int = 4, layers: int = 2, offline: bool = False,
-                  stage_plans: bool = True) -> dict:
+                  stage_plans: bool = True, squeeze: float = 0.0) -> dict:
     """This rank's loss and the full gradients of its stage's parameters (gathered over
     the stage's sub-mesh; returned by the sub-mesh's first rank), next to one device's.
     `offline`: the plan made with autopar.plan in rank 0 alone, saved, and run from its
     file on every rank; without its `stage_plans` (as a profiled plan is), each stage
-    solves where it runs."""
+    solves where it runs. `squeeze`: planned on rank 0 under a memory budget of this
+    fraction of the unbounded plan's bytes, so stages store parameters sharded and
+    recompute blocks."""
     import copy
     from autopar.core.mesh import Mesh
     from autopar.runtime.state import gather_full
@@ -214,6 +216,12 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     options = autopar.Options(pipeline_axis=axis, microbatches=microbatches, pipeline_schedule=schedule,
                               training=True, device=CHEAP_COMM)
     given = None
+    if squeeze:
+        def squeezed():
+            free = autopar.plan(model, (), {"input_ids": ids}, mesh=mesh, options=options)
+            bounded = dataclasses.replace(options, memory_budget_bytes=int(free.memory_bytes * squeeze))
+            return autopar.plan(model, (), {"input_ids": ids}, mesh=mesh, options=bounded)
+        given = _planned_on_rank0(squeezed)
     if offline:
         import os
         import tempfile
@@ -244,7 +252,8 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
             "ref_grads": {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None},
             "stages": [(s.first, s.stop) for s in pipe.plan.pipeline.stages],
             "split_inputs": sum(r < s.pm.mesh.size for s in pipe.stages.stages for r in s.replicas),
-            "solves": pipe.solve_count, "stage_plans": len(pipe.plan.stage_plans)}
+            "solves": pipe.solve_count, "stage_plans": len(pipe.plan.stage_plans),
+            "recomputed": [len(sp.recompute) for sp in pipe.plan.stage_plans]}
 
 
 def _check_pipeline(results: list, case: int) -> None:
@@ -413,6 +422,20 @@ def test_pipelined_losses_and_gradients_match_one_device():
         assert [r[i]["solves"] for r in results] == [0 if i == 6 else 1] + [0] * 7, [r[i]["solves"] for r in results]
     # a pipelined plan without stage plans: the first rank of each stage's sub-mesh solves
     assert [r[1]["solves"] for r in results] == [1, 0, 0, 0, 1, 0, 0, 0] and results[0][1]["stage_plans"] == 0
+
+
+@pytest.mark.slow
+def test_stages_lean_under_a_budget_and_still_match_one_device():
+    """4 gloo ranks: GPT-2 with 4 layers on (2, 2) pipelining axis 0 under 1F1B, planned
+    under 70 % of the unbounded plan's bytes: both stages recompute blocks inside their
+    own plans (stage 0, holding two microbatches, more of them), the losses and every
+    gradient as one device's."""
+    from tests.harness import run_ranks
+    results = run_ranks(4, [(pipeline_case, dict(family="gpt2", mesh=(2, 2), axis=0, schedule="1f1b", layers=4,
+                                                 squeeze=0.7))])
+    _check_pipeline(results, 0)
+    recomputed = results[0][0]["recomputed"]
+    assert recomputed[0] > recomputed[1] > 0, recomputed
 
 
 @pytest.mark.slow

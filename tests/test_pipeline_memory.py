@@ -44,7 +44,7 @@ def test_activations_count_once_per_microbatch_in_flight():
     # GPipe holds all 4: the best split holds 80 bytes on each stage, over any budget below
     gpipe = MemoryBound(35, Schedule.GPIPE, 4)
     assert split_stages(acts, FREE, 2, gpipe) is None
-    assert smallest_split(acts, 2, gpipe) == ((0, 2), (2, 4))
+    assert smallest_split(acts, 2, gpipe)[0] == ((0, 2), (2, 4))
     # interleaved: two stages a rank, each held to half the budget
     assert MemoryBound(35, Schedule.INTERLEAVED_1F1B, 4).stage_cap_bytes == 17
 
@@ -53,7 +53,7 @@ def test_no_split_fits_names_the_budget_the_smallest_and_the_fix():
     acts = _units(params=(5, 5, 5, 5), acts=(10, 10, 10, 10))
     options = Options(memory_budget_bytes=35, pipeline_schedule="gpipe", microbatches=4)
     with pytest.raises(PipelineMemoryError) as caught:
-        _fitting_split(acts, FREE, 2, options)
+        _fitting_split(lambda: (acts,), acts, FREE, 2, options)
     e = caught.value
     assert isinstance(e, MemoryBudgetError) and e.budget_bytes == 35
     assert e.smallest_bytes == 10 + 4 * 20  # two blocks' parameters + 4 microbatches of two blocks
@@ -61,8 +61,8 @@ def test_no_split_fits_names_the_budget_the_smallest_and_the_fix():
                                            "larger mesh"))
     again = pickle.loads(pickle.dumps(e))  # as it reaches the other ranks
     assert type(again) is PipelineMemoryError and str(again) == str(e) and again.smallest_bytes == 90
-    assert _fitting_split(acts, FREE, 2, Options(memory_budget_bytes=90, pipeline_schedule="gpipe",
-                                                 microbatches=4)) == ((0, 2), (2, 4))
+    assert _fitting_split(lambda: (acts,), acts, FREE, 2, Options(memory_budget_bytes=90, pipeline_schedule="gpipe",
+                                                                  microbatches=4))[0] == ((0, 2), (2, 4))
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +78,29 @@ def _plan(gpt2, budget: int, axis=0):
     return autopar.plan(model, (), kw, mesh=(2, 1), pipeline_axis=axis, microbatches=2, memory_budget_bytes=budget)
 
 
-def test_planned_stages_stay_within_the_budget(gpt2):
+def test_a_stage_recomputes_inside_to_fit_rather_than_moving_the_split(gpt2):
     free = gpt2[2]
     assert [(s.first, s.stop) for s in free.pipeline.stages] == [(0, 2), (2, 4)]
-    bounded = _plan(gpt2, free.memory_bytes - 1)  # the balanced split no longer fits
-    assert bounded.memory_bytes <= free.memory_bytes - 1
-    assert [(s.first, s.stop) for s in bounded.pipeline.stages] != [(0, 2), (2, 4)]
-    assert bounded.total_s > free.total_s  # slower, but it fits
+    assert not any(sp.recompute for sp in free.stage_plans)
+    budget = free.memory_bytes - 1  # the fastest layouts no longer fit on the heaviest rank
+    bounded = _plan(gpt2, budget)
+    assert bounded.memory_bytes <= budget and all(sp.memory_bytes <= budget for sp in bounded.stage_plans)
+    # stage 0 holds two microbatches' activations under 1F1B: it recomputes a block, the
+    # balanced split stays, and the step is slower than the free one by that forward
+    assert [(s.first, s.stop) for s in bounded.pipeline.stages] == [(0, 2), (2, 4)]
+    assert bounded.stage_plans[0].recompute and not bounded.stage_plans[1].recompute
+    assert bounded.total_s > free.total_s
+    assert bounded.pipeline.stages[0].step_s > free.pipeline.stages[0].step_s
+
+
+def test_stage_plans_count_their_microbatches_in_flight(gpt2):
+    free = gpt2[2]
+    one = [replace(free.pipeline.stages[0], index=0)]
+    model, kw, _ = gpt2
+    from autopar.passes.plan.pipeline import stage_solve_options
+    solving = stage_solve_options(free, Options(memory_budget_bytes=None, microbatches=2, pipeline_axis=0))
+    assert [o.activations_in_flight for o in solving] == [2, 1]  # 1F1B: stage 0 holds both microbatches
+    assert all(o.pipeline_axis is None and o.microbatches == 1 for o in solving) and one
 
 
 def test_planned_pipeline_that_cannot_fit_reports_what_would(gpt2):
@@ -123,7 +139,7 @@ def test_interleaved_takes_a_split_whose_ranks_fit_though_a_stage_exceeds_half_t
     # rank 0 and 10 + 10 on rank 1, within 80, though stage 0 alone is over the 40 of budget / 2
     heavy_first = _units(params=(60, 10, 10, 10))
     options = Options(memory_budget_bytes=80, pipeline_schedule="interleaved_1f1b", microbatches=4)
-    assert _fitting_split(heavy_first, FREE, 4, options) == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert _fitting_split(lambda: (heavy_first,), heavy_first, FREE, 4, options)[0] == ((0, 1), (1, 2), (2, 3), (3, 4))
     with pytest.raises(PipelineMemoryError) as caught:  # below the heaviest rank: refused, with that figure
-        _fitting_split(heavy_first, FREE, 4, replace(options, memory_budget_bytes=69))
+        _fitting_split(lambda: (heavy_first,), heavy_first, FREE, 4, replace(options, memory_budget_bytes=69))
     assert caught.value.smallest_bytes == 70

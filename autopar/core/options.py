@@ -110,6 +110,10 @@ class Options:
     memory_budget_bytes: "int | str | None" = MEMORY_AUTO
     # optimiser state per parameter element in training: AdamW keeps two fp32 values
     optimizer_state_bytes: int = 8
+    # microbatches whose activations a rank holds at once: the memory budget counts each
+    # activation this many times. The pipeline planner sets it for each stage's plan (all
+    # microbatches under GPipe, at most the stages from this one on under 1F1B); 1 otherwise
+    activations_in_flight: int = 1
     # collectives start as early as their input exists and are waited on just before
     # their result is used, with independent compute between (passes/lower/schedule.py); their
     # backward conjugates likewise. False: every step runs whole where the rewrite put it
@@ -194,7 +198,7 @@ class Options:
                                 "number, 'auto' (the planner decides) or None")
 
     def _check_numbers(self) -> None:
-        for name, low in (("optimizer_state_bytes", 0), ("max_inflight_bytes", 1)):
+        for name, low in (("optimizer_state_bytes", 0), ("max_inflight_bytes", 1), ("activations_in_flight", 1)):
             if not _is_int(getattr(self, name), low):
                 raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not an int >= {low}")
         if self.memory_budget_bytes not in (None, MEMORY_AUTO) and not _is_int(self.memory_budget_bytes, 1):
@@ -260,6 +264,7 @@ class PlanningOptions:
     time_limit_s: float
     memory_budget_bytes: "int | str | None"
     optimizer_state_bytes: int
+    activations_in_flight: int
     param_dtype: Optional[torch.dtype]
     dynamic: Optional[Dynamic]
     pipeline_axis: "int | PipelineAxis | None"

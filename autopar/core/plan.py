@@ -120,6 +120,11 @@ class Plan:
             lines.append(self.pipeline.summary())
             lines.append(f"  stage plans: {len(self.stage_plans)} stored (the stages run without solving)"
                          if self.stage_plans else "  stage plans: none stored (each stage solves where it runs)")
+            for k, sp in enumerate(self.stage_plans):
+                stored = [n for n in sp.nodes if n.kind is NodeKind.PARAMETER]
+                lines.append(f"    stage {k}: memory {sp.memory_bytes / 2**20:.2f} MiB, parameters sharded "
+                             f"{sum(not n.outputs[0].is_replicated() for n in stored)}/{len(stored)}, recomputed "
+                             f"{len(sp.recompute)} block{'s' * (len(sp.recompute) != 1)}")
         if self.links:
             lines.append("  links: " + "; ".join(f"axis {a} {link}" for a, link in enumerate(self.links)))
         if self.mesh_candidates:

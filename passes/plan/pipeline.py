@@ -6,10 +6,11 @@
    plans the whole graph at microbatch size on it, once per sub-mesh shape (memoised:
    every axis of a (2, 2, 2) mesh leaves the same (2, 2) sub-mesh).
 2. The repeated blocks (passes/clusters.find_blocks; the container with the most) are the
-   units a stage is made of. Each node's price in that plan (its compute and the reshards
-   into it) goes to its unit: a block, or the part before the blocks (stage 0) or after
-   them (last stage). With clustered twin blocks the ILP picks alike for every inner
-   block, so a block's price does not depend on which stage holds it.
+   units a stage is made of (passes/plan/pipeline_units.py). Each node's price in that plan
+   (its compute and the reshards into it) and its bytes go to its unit: a block, or the
+   part before the blocks (stage 0) or after them (last stage). With clustered twin blocks
+   the ILP picks alike for every inner block, so a block's price does not depend on which
+   stage holds it.
 3. Each boundary after block j carries the activations produced at or before j and read
    after it (full microbatch tensors: a stage's program returns full outputs), priced as a
    point-to-point send on the pipeline axis's link: alpha + bytes * beta, twice in
@@ -19,8 +20,11 @@
        part before the blocks if i = 0, + the part after if j = L) + send after j-1 (j < L)
    minimises the slowest stage (balance). Under Options.memory_budget_bytes only ranges
    whose stage fits are allowed (passes/plan/pipeline_split.py: parameters + state + the
-   activations of its microbatches in flight); PipelineMemoryError names the smallest
-   heaviest rank when no split fits. The step then takes
+   activations of its microbatches in flight). Where no split fits with the fastest
+   layouts, the sub-mesh graph is solved again with memory priced (more parameters stored
+   sharded, more blocks recomputed: a frontier of leaner plans) and each stage takes its
+   fastest point that fits; PipelineMemoryError names the smallest heaviest rank when
+   none does. The step then takes
        T = M * (slowest rank's load per microbatch) + (S - 1) * (slowest stage)
    (the second term is the bubble: (S-1)/M of a stage step per microbatch; interleaved
    schedules hold v chunks per rank, so the bubble shrinks by v).
@@ -28,17 +32,21 @@
    against the plain ILP over the whole mesh at the full batch; the cheapest wins (ties:
    the plain plan, then the lower axis). Under a budget a candidate that does not fit
    drops out, so a pipeline that fits wins over a plain plan that does not.
+6. The chosen split's stages are traced and each solved on the sub-mesh under the budget,
+   its activations counted once per microbatch in flight (stage_solve_options): parameters
+   stored sharded and gathered at use, blocks recomputed, exactly as a plain plan under a
+   budget. The plan's stage steps and its heaviest rank's bytes are then those plans'
+   (with_stage_plans).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
 from autopar import _compat
-from autopar.core.kinds import NodeKind
 from autopar.core.links import link_overrides
 from autopar.core.mesh import Mesh
 from autopar.core.options import MEMORY_AUTO, CostSource, Options
@@ -46,12 +54,13 @@ from autopar.core.errors import MemoryBudgetError
 from autopar.core.pipeline import (PipelineAxis, PipelineError, PipelineMemoryError, PipelinePlan, Schedule, Stage,
                                    check_microbatches, check_request, stage_mesh)
 from autopar.core.plan import Plan
+from autopar.core.plan_parts import SolverReport
 from autopar.cost_models.devices import memory_budget, preset
 from autopar.cost_models.model import CostModel
-from autopar.passes.strategies.clusters import find_blocks
 from autopar.passes.plan.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
-                                         split_stages)
-from autopar.passes.plan.pipeline_stages import stage_plans
+                                         split_frontier, split_stages)
+from autopar.passes.plan.pipeline_stages import stage_options, stage_plans
+from autopar.passes.plan.pipeline_units import lean_frontier, stage_costs, units_of
 from autopar.passes.plan.planning import plan_annotated, plan_traced, trace_for_planning
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace.trace import TracedGraph
@@ -76,92 +85,7 @@ def microbatch_inputs(args: tuple, kwargs: dict, microbatches: int) -> tuple[tup
     return _compat.tree_unflatten(out, tree)
 
 
-# ---- 1-3. prices of the units --------------------------------------------------------
-
-def units_of(graph: AnnotatedGraph, plan: Plan) -> Units:
-    """Step 2 and 3: each node's price in `plan` assigned to its block, or before/after."""
-    container, position = _positions(graph)
-    blocks = max(position.values()) if position else 0
-    price = {n.name: n.compute_s for n in plan.nodes}
-    for e in plan.edges:
-        price[e.consumer] = price.get(e.consumer, 0.0) + e.comm_s
-    block_s = [0.0] * blocks
-    before_s = after_s = 0.0
-    for n in graph.nodes:
-        p = position[n.name]
-        if p < 0:
-            before_s += price[n.name]
-        elif p >= blocks:
-            after_s += price[n.name]
-        else:
-            block_s[p] += price[n.name]
-    return Units(container, tuple(block_s), before_s, after_s, _boundary_bytes(graph, position, blocks),
-                 *_unit_bytes(plan, position, blocks))
-
-
-def _unit_bytes(sub: Plan, position: dict[str, int], blocks: int
-                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Each block's (parameter, gradient + optimiser state, activation) bytes per rank in
-    the sub-mesh plan; what comes before the blocks counts with block 0 and what comes
-    after with the last (their stages hold them). Activations are op outputs for one
-    microbatch (an upper bound, as Plan.activation_bytes); the state is the sub-mesh
-    plan's, shared out in proportion to parameter bytes."""
-    params, acts = [0] * blocks, [0] * blocks
-    for n in sub.nodes:
-        p = min(max(position[n.name], 0), blocks - 1)
-        if n.kind.is_state:
-            params[p] += n.outputs[0].local_nbytes(sub.mesh.shape)
-        elif n.kind is NodeKind.OP:
-            acts[p] += sum(o.local_nbytes(sub.mesh.shape) for o in n.outputs)
-    state = [sub.state_bytes * b // max(sub.param_bytes, 1) for b in params]
-    return tuple(params), tuple(state), tuple(acts)
-
-
-def _positions(graph: AnnotatedGraph) -> tuple[str, dict[str, int]]:
-    """The block container with the most blocks, and each node's place: its block's rank
-    among them, -1 before the first block, len(blocks) after the last."""
-    block_of = find_blocks(graph)
-    counts: dict[str, set[int]] = {}
-    for container, index in block_of.values():
-        counts.setdefault(container, set()).add(index)
-    if not counts:
-        raise PipelineError(f"model {graph.traced.model_name} has no repeated blocks (a ModuleList of layers such "
-                            "as transformer.h.0, transformer.h.1, ...) to split into pipeline stages; plan it "
-                            "without pipeline_axis")
-    container = min(counts, key=lambda c: (-len(counts[c]), c))
-    order = {index: rank for rank, index in enumerate(sorted(counts[container]))}
-    inside = [i for i, n in enumerate(graph.nodes)
-              if not n.kind.is_input and block_of.get(n.name, ("", 0))[0] == container]
-    first, last, blocks = inside[0], inside[-1], len(order)
-    position, current = {}, -1
-    for i, n in enumerate(graph.nodes):
-        key = block_of.get(n.name)
-        if key is not None and key[0] == container:
-            position[n.name] = order[key[1]]
-            if not n.kind.is_input:  # a block's parameters come first, before any op
-                current = position[n.name]
-        elif n.kind.is_input:  # graph inputs come first; a parameter lives with its reader
-            position[n.name] = -1
-        else:  # nodes between blocks go with the block before them
-            position[n.name] = -1 if i < first else (blocks if i > last else current)
-    return container, position
-
-
-def _boundary_bytes(graph: AnnotatedGraph, position: dict[str, int], blocks: int) -> tuple[int, ...]:
-    """Bytes of the values made at or before block j and read after it, per boundary j."""
-    crossing = [0] * max(blocks - 1, 0)
-    last_use: dict[str, int] = {}
-    for v in graph.nodes:
-        for u, _ in v.inputs:
-            last_use[u] = max(last_use.get(u, -1), position[v.name])
-    for n in graph.nodes:
-        if n.kind.is_state or n.kind is NodeKind.CONSTANT or not n.strategies or n.name not in last_use:
-            continue
-        nbytes = sum(o.meta.nbytes for o in n.strategies[0].outputs)
-        for j in range(max(position[n.name], 0), min(last_use[n.name], blocks - 1)):
-            crossing[j] += nbytes
-    return tuple(crossing)
-
+# ---- 1-3. prices of the units: passes/plan/pipeline_units.py -------------------------
 
 # ---- 4. the stage DP ---------------------------------------------------------------
 
@@ -189,11 +113,13 @@ def step_time(stages: tuple[Stage, ...], ranks: int, microbatches: int) -> tuple
 # ---- 5. plans ----------------------------------------------------------------------
 
 class SubMeshSolves:
-    """The intra-op plan of the microbatch graph per sub-mesh shape, solved once each."""
+    """The intra-op plan of the microbatch graph per sub-mesh shape, solved once each, and
+    under a budget its frontier of leaner plans (pipeline_units.lean_frontier), likewise."""
 
     def __init__(self, traced: TracedGraph, options: Options) -> None:
         self.traced, self.options = traced, options
-        self._done: dict[tuple[int, ...], tuple[AnnotatedGraph, Plan]] = {}
+        self._done: dict[tuple, tuple[AnnotatedGraph, Plan]] = {}
+        self._frontiers: dict[tuple, tuple[Units, ...]] = {}
 
     def __call__(self, mesh: Mesh, axis: int) -> tuple[AnnotatedGraph, Plan]:
         sub = stage_mesh(mesh, axis)
@@ -203,6 +129,16 @@ class SubMeshSolves:
             graph = annotate(self.traced, sub, None, options.discover_rules)
             self._done[key] = (graph, plan_annotated(graph, options))
         return self._done[key]
+
+    def frontier(self, mesh: Mesh, axis: int) -> tuple[Units, ...]:
+        """Units of the fastest sub-mesh plan, then of its leaner plans."""
+        options = _stage_options(self.options, mesh, axis)
+        key = (stage_mesh(mesh, axis).shape, options.nodes)
+        if key not in self._frontiers:
+            graph, fastest = self(mesh, axis)
+            self._frontiers[key] = (units_of(graph, fastest, stage_costs(options, fastest)),
+                                    *lean_frontier(graph, fastest, options))
+        return self._frontiers[key]
 
 
 def _budget(options: Options) -> "int | None":
@@ -219,7 +155,7 @@ def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
     the link kind (intra- or inter-node) it has in the whole mesh on Options.nodes nodes
     (the smallest such count; one node if none does). The sub-mesh plan is solved without
     the memory budget: it covers the whole graph, more than any one stage holds; the budget
-    bounds the stage split instead (_fitting_split)."""
+    bounds the stage split (_fitting_split) and each stage's own plan (stage_budgets)."""
     sub = stage_mesh(mesh, axis)
     want = tuple(k for a, k in enumerate(mesh.link_kinds(options.nodes)) if a != axis) or sub.link_kinds(1)
     for nodes in range(1, sub.size + 1):
@@ -234,19 +170,21 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     check_request(mesh.shape, axis, microbatches)
     ranks = mesh.shape[axis]
     graph, sub = solves(mesh, axis)
-    units = units_of(graph, sub)
+    fastest = units_of(graph, sub, stage_costs(options, sub))
     n_stages = ranks * schedule.chunks_per_rank
-    if n_stages > len(units.block_s):
+    if n_stages > len(fastest.block_s):
         raise PipelineError(f"pipeline axis {axis} of mesh {mesh.shape} asks for {n_stages} stages ({ranks} ranks x "
                             f"{schedule.chunks_per_rank} chunks, schedule {schedule}) but {full.model_name} has only "
-                            f"{len(units.block_s)} blocks in {units.container}; pipeline over an axis of at most "
-                            f"{len(units.block_s)} ranks, use schedule '1f1b', or set pipeline_axis=None")
+                            f"{len(fastest.block_s)} blocks in {fastest.container}; pipeline over an axis of at most "
+                            f"{len(fastest.block_s)} ranks, use schedule '1f1b', or set pipeline_axis=None")
     check_microbatches(schedule, microbatches, ranks)
     training = full.training if options.training is None else options.training
     link = CostModel.analytic(options.device, mesh.shape, training, options.nodes,
                               link_overrides(options.links)).link(axis)
-    sends = tuple((link.alpha_s + b * link.beta_s_per_byte) * (2 if training else 1) for b in units.boundary_bytes)
-    stages = stage_values(units, sends, units.boundary_bytes, _fitting_split(units, sends, n_stages, options), ranks)
+    sends = tuple((link.alpha_s + b * link.beta_s_per_byte) * (2 if training else 1)
+                  for b in fastest.boundary_bytes)
+    ranges, units = _fitting_split(lambda: solves.frontier(mesh, axis), fastest, sends, n_stages, options)
+    stages = stage_values(units, sends, units.boundary_bytes, ranges, ranks)
     step_s, bubble_s = step_time(stages, ranks, microbatches)
     pipeline = PipelinePlan(axis, microbatches, schedule, units.container, len(units.block_s), stages, bubble_s, step_s)
     serial_s = sub.compute_s + sub.comm_s  # the stage prices (units_of) hide nothing: split the step so too
@@ -259,36 +197,90 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     return Plan(mesh=mesh, model_name=full.model_name, fingerprint=full.fingerprint, training=training,
                 device=sub.device, nodes=(), edges=(), compute_s=step_s * (1 - comm_share),
                 comm_s=step_s * comm_share, param_bytes=param_bytes, activation_bytes=activation_bytes,
-                solver=replace(sub.solver, objective_s=step_s), unruled_ops=sub.unruled_ops, state_bytes=state_bytes,
+                solver=_pipeline_report(sub.solver, step_s), unruled_ops=sub.unruled_ops, state_bytes=state_bytes,
                 cost_note=f"{sub.cost_note}; stages priced on sub-mesh {stage_mesh(mesh, axis).shape} at "
                           "microbatch size", discovered_ops=sub.discovered_ops, pipeline=pipeline)
 
 
-def _fitting_split(units: Units, sends: tuple[float, ...], n_stages: int, options: Options
-                   ) -> tuple[tuple[int, int], ...]:
-    """The fastest split within Options.memory_budget_bytes (step 4 under the budget);
-    PipelineMemoryError with the smallest heaviest rank when none fits. Interleaved: when
-    no split keeps every stage under budget / v, the split with the lightest heaviest stage
-    is taken if its ranks fit (not the fastest such split, which the DP cannot see)."""
+def _pipeline_report(sub: SolverReport, step_s: float) -> SolverReport:
+    """The sub-mesh solve's report with the pipelined step as its objective, and no bound:
+    the sub-mesh ILP's bound is on its own objective, not on the pipeline's step (the
+    stage DP is exact over its prices; each stage plan reports its own gap)."""
+    return replace(sub, objective_s=step_s, bound_s=None, gap=None)
+
+
+def _fitting_split(frontier: Callable[[], Sequence[Units]], fastest: Units, sends: tuple[float, ...],
+                   n_stages: int, options: Options) -> tuple[tuple[tuple[int, int], ...], Units]:
+    """The fastest split within Options.memory_budget_bytes (step 4 under the budget) and
+    the Units its stages hold: with the fastest sub-mesh plan's layouts where a split of
+    those fits, else each stage at its fastest fitting point of `frontier()` (the leaner
+    plans, solved only then). PipelineMemoryError with the smallest heaviest rank when
+    none fits. Interleaved: when no split keeps every stage under budget / v, the split
+    with the lightest heaviest stage is taken if its ranks fit (not the fastest such
+    split, which the DP cannot see)."""
     schedule, budget = Schedule.of(options.pipeline_schedule), _budget(options)
     bound = None if budget is None else MemoryBound(budget, schedule, options.microbatches)
-    ranges = split_stages(units, sends, n_stages, bound)
-    if ranges is not None:
-        return ranges
+    found = split_frontier((fastest,), sends, n_stages, bound)
+    if found is not None:
+        return found
     assert bound is not None  # without a bound every split is allowed
+    points = tuple(frontier())
+    found = split_frontier(points, sends, n_stages, bound)
+    if found is not None:
+        return found
     ranks = n_stages // schedule.chunks_per_rank
-    lightest = smallest_split(units, n_stages, bound)
+    lightest, units = smallest_split(points, n_stages, bound)
     smallest = stage_values(units, sends, units.boundary_bytes, lightest, ranks)
     heaviest = sum(rank_bytes(units, smallest, schedule, options.microbatches))
     if heaviest <= budget:  # interleaved: a stage over budget / v, but its rank's sum fits
-        return lightest
+        return lightest, units
     raise PipelineMemoryError(budget, heaviest, n_stages, len(units.block_s), schedule.value)
+
+
+def stage_solve_options(plan: Plan, options: Options) -> tuple[Options, ...]:
+    """The options each stage's own plan is solved with: its sub-mesh's node count, its
+    activations counted once per microbatch in flight (Options.activations_in_flight),
+    and the memory budget: the whole of it where a rank holds one stage, budget / v for
+    each of the v stages of a rank under interleaved 1F1B (sufficient, not necessary).
+    Without a bound in bytes, Options.memory_budget_bytes as given."""
+    p = plan.pipeline
+    sub = _stage_options(options, plan.mesh, p.axis)
+    budget = _budget(options)
+    share = options.memory_budget_bytes if budget is None else budget // p.schedule.chunks_per_rank
+    return tuple(replace(stage_options(sub), memory_budget_bytes=share,
+                         activations_in_flight=in_flight(p.schedule, stage, len(p.stages), p.microbatches))
+                 for stage in p.stages)
+
+
+def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> Plan:
+    """`plan` with its stages' own plans, and its figures taken from them: each stage's
+    step (compute + comm: the split's prices hide nothing either) and the heaviest
+    pipeline rank's bytes (each stage plan counts its microbatches in flight). A rank over
+    the budget (interleaved stages, each within its share, cannot be) is refused."""
+    p = plan.pipeline
+    timed = tuple(replace(s, step_s=sp.compute_s + sp.comm_s) for s, sp in zip(p.stages, stages))
+    ranks = len({s.rank for s in timed})
+    step_s, bubble_s = step_time(timed, ranks, p.microbatches)
+    per_rank: dict[int, tuple[int, int, int]] = {}
+    for s, sp in zip(timed, stages):
+        old = per_rank.get(s.rank, (0, 0, 0))
+        per_rank[s.rank] = (old[0] + sp.param_bytes, old[1] + sp.state_bytes, old[2] + sp.activation_bytes)
+    params, state, acts = max(per_rank.values(), key=sum)
+    budget = _budget(options)
+    if budget is not None and params + state + acts > budget:
+        raise PipelineMemoryError(budget, params + state + acts, len(timed), p.blocks, p.schedule.value)
+    serial_s = sum(sp.compute_s + sp.comm_s for sp in stages)
+    comm_share = sum(sp.comm_s for sp in stages) / serial_s if serial_s else 0.0
+    return replace(plan, stage_plans=stages, pipeline=replace(p, stages=timed, bubble_s=bubble_s, step_s=step_s),
+                   compute_s=step_s * (1 - comm_share), comm_s=step_s * comm_share, param_bytes=params,
+                   state_bytes=state, activation_bytes=acts, solver=_pipeline_report(plan.solver, step_s))
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
     """autopar.plan with Options.pipeline_axis set: trace at the full batch and at one
     microbatch, choose_plan, and for a pipelined plan every stage's own plan
-    (passes/plan/pipeline_stages.py)."""
+    (passes/plan/pipeline_stages.py) under its share of the budget, which the plan's
+    figures are then taken from (with_stage_plans)."""
     check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
     full = trace_for_planning(model, args, kwargs, options.param_dtype)
@@ -296,7 +288,15 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
     plan = choose_plan(full, micro, mesh, options, lambda: plan_traced(full, mesh, options)[1])
     if plan.pipeline is None or options.cost_model is CostSource.PROFILE:  # a profile times each stage where it runs
         return plan
-    return replace(plan, stage_plans=stage_plans(model, micro_args, micro_kwargs, plan, options))
+    solving = stage_solve_options(plan, options)
+    try:
+        stages = stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index])
+    except PipelineMemoryError:
+        raise
+    except MemoryBudgetError as e:  # the split's prices said it fits; the stage's own graph does not
+        raise PipelineMemoryError(e.budget_bytes, e.smallest_bytes, len(plan.pipeline.stages), plan.pipeline.blocks,
+                                  plan.pipeline.schedule.value) from e
+    return with_stage_plans(plan, stages, options)
 
 
 def choose_plan(full: TracedGraph, micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> Plan:

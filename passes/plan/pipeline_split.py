@@ -13,14 +13,17 @@ is the budget and the bound is exact. Interleaved 1F1B puts v stages on each ran
 budget / v, enough (not needed) for the rank's sum to fit; when no split meets it,
 passes/plan/pipeline.py takes smallest_split's if its ranks' exact sums fit.
 
-When no split fits, the same DP with bytes in place of seconds gives the smallest
-heaviest stage any split reaches: the figure PipelineMemoryError reports.
+split_frontier lets each stage take any of several Units of the same blocks (the
+frontier of leaner sub-mesh plans, passes/plan/pipeline_units.py): cost(i, j, k) is the
+least seconds of a point whose bytes fit. When no split fits, the same DP with bytes in
+place of seconds (each stage at its lightest point) gives the smallest heaviest stage any
+split reaches: the figure PipelineMemoryError reports.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
 
 from autopar.core.pipeline import Schedule, Stage
 
@@ -99,25 +102,66 @@ def split_stages(units: Units, send_s: tuple[float, ...], stages: int,
                  bound: Optional[MemoryBound] = None) -> Optional[tuple[tuple[int, int], ...]]:
     """The fastest split whose every stage fits `bound` (any split without one); None when
     none fits."""
-    blocks = len(units.block_s)
-    prefix = [0.0]
-    for c in units.block_s:
-        prefix.append(prefix[-1] + c)
-
-    def cost(i: int, j: int, k: int) -> float:
-        if bound is not None and bound.stage_bytes(units, i, j, k, stages) > bound.stage_cap_bytes:
-            return float("inf")
-        return (prefix[j] - prefix[i] + (units.before_s if i == 0 else 0.0)
-                + (units.after_s if j == blocks else send_s[j - 1]))
-    return _min_max_split(blocks, stages, cost)
+    found = split_frontier((units,), send_s, stages, bound)
+    return None if found is None else found[0]
 
 
-def smallest_split(units: Units, stages: int, bound: MemoryBound) -> tuple[tuple[int, int], ...]:
-    """The split whose heaviest stage holds the fewest bytes."""
-    found = _min_max_split(len(units.block_s), stages,
-                           lambda i, j, k: float(bound.stage_bytes(units, i, j, k, stages)))
+def split_frontier(frontier: Sequence[Units], send_s: tuple[float, ...], stages: int,
+                   bound: Optional[MemoryBound] = None) -> Optional[tuple[tuple[tuple[int, int], ...], Units]]:
+    """split_stages where each stage may take any point of `frontier` (Units of the same
+    blocks, each a plan of its own: passes/plan/pipeline_units.py): the fastest point whose
+    bytes fit. The ranges, and the Units each block has at its stage's point; None when no
+    split fits."""
+    blocks = len(frontier[0].block_s)
+    prefixes = []
+    for units in frontier:
+        prefix = [0.0]
+        for c in units.block_s:
+            prefix.append(prefix[-1] + c)
+        prefixes.append(prefix)
+
+    def point(i: int, j: int, k: int) -> tuple[float, int]:
+        for p, (units, prefix) in sorted(enumerate(zip(frontier, prefixes)),
+                                         key=lambda e: _seconds(e[1][0], e[1][1], i, j, blocks, send_s)):
+            if bound is None or bound.stage_bytes(units, i, j, k, stages) <= bound.stage_cap_bytes:
+                return _seconds(units, prefix, i, j, blocks, send_s), p
+        return float("inf"), -1
+    ranges = _min_max_split(blocks, stages, lambda i, j, k: point(i, j, k)[0])
+    if ranges is None:
+        return None
+    return ranges, mixed_units(frontier, ranges, [point(i, j, k)[1] for k, (i, j) in enumerate(ranges)])
+
+
+def _seconds(units: Units, prefix: list[float], i: int, j: int, blocks: int, send_s: tuple[float, ...]) -> float:
+    return (prefix[j] - prefix[i] + (units.before_s if i == 0 else 0.0)
+            + (units.after_s if j == blocks else send_s[j - 1]))
+
+
+def mixed_units(frontier: Sequence[Units], ranges: Sequence[tuple[int, int]], points: Sequence[int]) -> Units:
+    """Units whose blocks take the figures of the point their stage chose (the part before
+    the blocks stage 0's, the part after the last stage's)."""
+    if len(frontier) == 1:
+        return frontier[0]
+    of_block = [frontier[p] for (i, j), p in zip(ranges, points) for _ in range(i, j)]
+
+    def per_block(name: str) -> tuple:
+        return tuple(getattr(u, name)[b] for b, u in enumerate(of_block))
+    first, last = frontier[points[0]], frontier[points[-1]]
+    return replace(first, block_s=per_block("block_s"), after_s=last.after_s, param_bytes=per_block("param_bytes"),
+                   state_bytes=per_block("state_bytes"), activation_bytes=per_block("activation_bytes"))
+
+
+def smallest_split(units: "Units | Sequence[Units]", stages: int, bound: MemoryBound
+                   ) -> tuple[tuple[tuple[int, int], ...], Units]:
+    """The split whose heaviest stage holds the fewest bytes, each stage at its lightest
+    point of the frontier (one Units: that one), with the Units it holds."""
+    frontier = (units,) if isinstance(units, Units) else tuple(units)
+
+    def lightest(i: int, j: int, k: int) -> tuple[int, int]:
+        return min((bound.stage_bytes(u, i, j, k, stages), p) for p, u in enumerate(frontier))
+    found = _min_max_split(len(frontier[0].block_s), stages, lambda i, j, k: float(lightest(i, j, k)[0]))
     assert found is not None  # every split has finite bytes
-    return found
+    return found, mixed_units(frontier, found, [lightest(i, j, k)[1] for k, (i, j) in enumerate(found)])
 
 
 def rank_bytes(units: Units, stages: tuple[Stage, ...], schedule: Schedule, microbatches: int

@@ -25,14 +25,14 @@ it), so the stage graphs a rank traces have the fingerprints the plans were made
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.distributed import pipelining as pp
 
 from autopar.core.options import Options
-from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, stage_mesh
+from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, stage_mesh
 from autopar.core.plan import Plan
 from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
 from autopar.passes.plan.planning import plan_traced, trace_for_planning
@@ -90,18 +90,21 @@ def own_inputs(split: StageSplit, index: int, args: tuple) -> tuple:
     return args[: relay.inputs] if relay else args
 
 
-def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan, options: Options) -> tuple[Plan, ...]:
-    """Step 4: every stage's plan on the sub-mesh, in stage order."""
+def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
+                options_of: Callable[[Stage], Options]) -> tuple[Plan, ...]:
+    """Step 4: every stage's plan on the sub-mesh, in stage order, each solved with
+    options_of(stage) (passes/plan/pipeline.py stage_solve_options: its budget and the
+    microbatches in flight)."""
     p = plan.pipeline
     split = split_stages(model, mb_args, mb_kwargs, p, plan.training)
     sub = stage_mesh(plan.mesh, p.axis)
-    opts = stage_options(options)
     out = []
     for stage in p.stages:
+        options = options_of(stage)
         args, kwargs = stage_inputs(split, stage.index, mb_args, mb_kwargs)
         traced = trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
                                     options.param_dtype)
-        out.append(plan_traced(traced, sub, opts)[1])
+        out.append(plan_traced(traced, sub, options)[1])
     return tuple(out)
 
 

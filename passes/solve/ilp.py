@@ -309,6 +309,19 @@ def memory_objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
     return terms
 
 
+def priced_memory_objective(price_s_per_byte: float) -> Objective:
+    """min time + price x memory (each in its objective's units: microseconds, and MiB
+    at price x US x MIB microseconds each): one point of the time-memory frontier."""
+    per_mib = price_s_per_byte * US * MIB
+
+    def objective(model: IlpModel, v: IlpVariables) -> LinearTerms:
+        terms = time_objective(model, v)
+        for var, c in memory_objective(model, v).coef.items():
+            terms.add(var, c * per_mib)
+        return terms
+    return objective
+
+
 # ---- the whole ILP -----------------------------------------------------------------
 
 def build_ilp(model: IlpModel, pricer: EdgePricer, objective: Objective = time_objective,

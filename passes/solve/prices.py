@@ -4,6 +4,7 @@ passes/solve/read_back.py into the plan. Reshards are priced on demand by EdgePr
 
 from __future__ import annotations
 
+from autopar.core.kinds import NodeKind
 from autopar.core.options import Options
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
@@ -30,12 +31,19 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
 
 def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
     """Bytes per rank of every node's strategies; in training an op counts the outputs
-    autograd keeps for backward (passes/trace/saved.py)."""
+    autograd keeps for backward (passes/trace/saved.py). What is made per microbatch (the
+    graph's inputs and its ops' outputs) counts Options.activations_in_flight times."""
     kept = kept_outputs(graph, costs)
     return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
                                 costs.training, options.optimizer_state_bytes, kept.get(n.name, ()))
-                     for s in n.strategies]
+                     * activation_copies(n.kind, options) for s in n.strategies]
             for n in graph.nodes}
+
+
+def activation_copies(kind: NodeKind, options: Options) -> int:
+    """How many times a node's bytes count: a parameter, buffer or constant once, what a
+    microbatch makes once per microbatch in flight."""
+    return 1 if kind.is_state or kind is NodeKind.CONSTANT else options.activations_in_flight
 
 
 def kept_outputs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, tuple[bool, ...]]:

@@ -46,11 +46,13 @@ def _alternatives(n: PlannedNode, compute_s: list[float], chosen: dict[str, Stra
 def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str, int], pricer: EdgePricer,
               costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
               compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = (),
-              least: Optional[Sequence[float]] = None, least_fwd: Optional[Sequence[float]] = None) -> Plan:
+              least: Optional[Sequence[float]] = None, least_fwd: Optional[Sequence[float]] = None,
+              in_flight: int = 1) -> Plan:
     """`compute`: node_costs(graph, costs), when the caller has it; `recompute`: the
     blocks recomputed in backward (their forward again, their inner bytes not kept);
     `least`: in training, the ILP's least backward per node (ilp_overlap.least_backward),
-    which the plan's hidden seconds are counted from as the objective counted them."""
+    which the plan's hidden seconds are counted from as the objective counted them;
+    `in_flight`: Options.activations_in_flight, which `memory` counts activations with."""
     compute = compute or node_costs(graph, costs)
     chosen: dict[str, Strategy] = {}
     for n in graph.nodes:
@@ -94,6 +96,6 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
     return Plan(mesh=graph.mesh, model_name=graph.traced.model_name, fingerprint=graph.traced.fingerprint,
                 training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
                 compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
-                activation_bytes=act_bytes + again.memory_bytes, solver=report, unruled_ops=graph.unruled_ops,
-                state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden,
+                activation_bytes=act_bytes + again.memory_bytes * in_flight, solver=report,
+                unruled_ops=graph.unruled_ops, state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden,
                 routing_notes=routing_notes(graph.traced.gm))

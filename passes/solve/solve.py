@@ -49,7 +49,7 @@ from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks, sha
 from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
 from autopar.passes.solve.greedy import greedy_picks
 from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
-                                memory_objective, time_objective)
+                                memory_objective, priced_memory_objective, time_objective)
 from autopar.passes.solve.ilp_overlap import least_backward, least_forward, parameter_shares
 from autopar.passes.solve.prices import node_costs, node_memory
 from autopar.passes.solve.read_back import read_plan
@@ -148,14 +148,19 @@ def _backward_member(p: PlannedNode, consumer: str, position: int, graph: Annota
 
 # ---- 3. solve (4, read back: passes/solve/read_back.py)---------------------------------------------------------------------
 
-def solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Optional[StartingLayouts] = None
-          ) -> Plan:
+def solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Optional[StartingLayouts] = None,
+          memory_price: float = 0.0) -> Plan:
     """The fastest plan within Options.memory_budget_bytes (MemoryBudgetError when none fits).
     `start`: layouts to hand the solver as its first plan (passes/solve/warm_start.py).
     The default budget, "auto" (the detected device's memory), binds only where the
     fastest plan without it would not fit: that plan is solved first and kept when it
     fits (the same plan as with no bound, and a smaller ILP), else the bounded one is
-    solved. A saved profile's plan is for its own device: "auto" bounds it by nothing."""
+    solved. A saved profile's plan is for its own device: "auto" bounds it by nothing.
+    `memory_price` (seconds per byte per rank, > 0): no budget; the plan minimising step
+    seconds + memory_price x bytes, one point of the time-memory frontier (parameters may
+    be stored sharded and blocks recomputed wherever the bytes saved pay for the time)."""
+    if memory_price > 0:
+        return _solve(graph, costs, replace(options, memory_budget_bytes=None), start, memory_price)
     if options.memory_budget_bytes != MEMORY_AUTO:
         return _solve(graph, costs, options, start)
     bound = None if options.cost_model is CostSource.SAVED else memory_budget(MEMORY_AUTO, costs.device)
@@ -170,14 +175,16 @@ def solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opti
 
 @logged("solve", lambda p: f"{p.solver.status}, {p.solver.variables} variables, "
                            f"step {p.total_s * 1e3:.3f} ms predicted")
-def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Optional[StartingLayouts]) -> Plan:
-    """solve() under a budget of bytes, or None (no bound)."""
+def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Optional[StartingLayouts],
+           memory_price: float = 0.0) -> Plan:
+    """solve() under a budget of bytes, or None (no bound); memory priced where memory_price > 0."""
     # 1. price every node's strategies
     pricer = EdgePricer(costs)
     memory = node_memory(graph, costs, options)
     # 2. groups, and the variables repeated blocks share
     groups, blocks = _groups_and_blocks(graph, pricer, options)
     budget = options.memory_budget_bytes
+    lean = budget is not None or memory_price > 0  # memory counts: sharded storage and recompute are choices
     compute = node_costs(graph, costs)
     forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
     # gradient buckets hide under backward, prefetched parameter gathers under the compute
@@ -187,14 +194,15 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     shares = parameter_shares(graph, least, least_fwd) if least is not None else {}
     model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep, shares)
     forward = None
-    if budget is not None and costs.training:  # recompute can pay: the blocks and their terms
+    if lean and costs.training:  # recompute can pay: the blocks and their terms
         forward = EdgePricer(replace(costs, training=False))
         model = replace(model, blocks=block_terms(model, find_blocks(graph), forward, forward_s, memory))
     keep = _recompute_groups(model)
     with_recompute = {"forward": forward} if model.blocks else {}  # forward prices: only where blocks may recompute
-    model = prune_dominated(model, pricer, with_memory=budget is not None, **with_recompute)
-    # 3. the least time within the budget
-    ilp = build_ilp(model, pricer, time_objective, budget, forward, list_flows=start is not None)
+    model = prune_dominated(model, pricer, with_memory=lean, **with_recompute)
+    # 3. the least time within the budget (or time + memory priced)
+    objective = time_objective if memory_price <= 0 else priced_memory_objective(memory_price)
+    ilp = build_ilp(model, pricer, objective, budget, forward, list_flows=start is not None)
     name = solver_name(options)
     started = starting_picks(model, ilp.variables, start) if start is not None else {}
     solution = solve_program(ilp.program, options, starting_solution(model, ilp, started) if started else None)
@@ -204,7 +212,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     # when it sets every group, else a greedy one (warm_start.py, greedy.py)
     stopped = _stopped_picks(solution, model, started, pricer)
     picks = stopped[0] if stopped is not None else _picks(ilp, solution, name)
-    if budget is not None:  # memory counts: of equally fast layouts, the smaller
+    if lean:  # memory counts: of equally fast layouts, the smaller
         picks = prefer_smaller(model, picks, pricer, keep)
     status = solution.status.value
     if solution.status is not SolveStatus.OPTIMAL:
@@ -214,7 +222,8 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
                           None if solution.bound is None else solution.bound / US,
                           _started(start, sum(model.owner(g) == g for g in started), ilp.variables.groups, name))
     plan = read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
-                     () if stopped else _recomputed(model, ilp, solution), least, least_fwd)
+                     () if stopped else _recomputed(model, ilp, solution), least, least_fwd,
+                     options.activations_in_flight)
     if stopped is None:
         return plan
     if budget is not None and plan.memory_bytes > budget:
