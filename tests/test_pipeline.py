@@ -4,6 +4,7 @@ errors for impossible requests, and (slow) losses and gradients on gloo ranks.""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 import warnings
 
 import pytest
@@ -194,14 +195,14 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, schedule: str,
                   microbatches: int = 2, batch: int = 4, layers: int = 2, offline: bool = False,
-                  stage_plans: bool = True, squeeze: float = 0.0) -> dict:
+                  stage_plans: bool = True, squeeze: float = 0.0, param_dtype: Optional[torch.dtype] = None) -> dict:
     """This rank's loss and the full gradients of its stage's parameters (gathered over
     the stage's sub-mesh; returned by the sub-mesh's first rank), next to one device's.
     `offline`: the plan made with autopar.plan in rank 0 alone, saved, and run from its
     file on every rank; without its `stage_plans` (as a profiled plan is), each stage
     solves where it runs. `squeeze`: planned on rank 0 under a memory budget of this
     fraction of the unbounded plan's bytes, so stages store parameters sharded and
-    recompute blocks."""
+    recompute blocks. `param_dtype`: Options.param_dtype (mixed precision)."""
     import copy
     from autopar.core.mesh import Mesh
     from autopar.runtime.state import gather_full
@@ -214,7 +215,7 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
     ref_loss.backward()
     from autopar.tools.simulated import CHEAP_COMM  # cheap links: the stages' plans split their inputs
     options = autopar.Options(pipeline_axis=axis, microbatches=microbatches, pipeline_schedule=schedule,
-                              training=True, device=CHEAP_COMM)
+                              training=True, device=CHEAP_COMM, param_dtype=param_dtype)
     given = None
     if squeeze:
         def squeezed():
@@ -439,6 +440,25 @@ def test_stages_lean_under_a_budget_and_still_match_one_device():
 
 
 @pytest.mark.slow
+def test_a_bf16_pipeline_tracks_one_device():
+    """2 gloo ranks: Llama with 4 layers in 2 stages on (2, 1) under 1F1B with
+    param_dtype=bfloat16 (the stage graphs torch's split records assert fp32 dtypes, which
+    the planner and the runtime drop), against one fp32 device: bf16 tolerances."""
+    from tests.harness import run_ranks
+    results = run_ranks(2, [(pipeline_case, dict(family="llama", mesh=(2, 1), axis=0, schedule="1f1b", layers=4,
+                                                 param_dtype=torch.bfloat16))])
+    per_rank = [r[0] for r in results]
+    want = per_rank[0]["ref_loss"]
+    losses = [r["loss"] for r in per_rank if r["loss"] is not None]
+    assert losses and all(abs(loss - want) <= 2e-2 * abs(want) for loss in losses), (losses, want)
+    grads = [(name, g) for r in per_rank for name, g in r["grads"].items()]
+    assert len(grads) == len(per_rank[0]["ref_grads"])
+    for name, g in grads:
+        ref = per_rank[0]["ref_grads"][name]
+        assert g.dtype == torch.float32 and (g - ref).norm() <= 5e-2 * ref.norm() + 1e-6, name
+
+
+@pytest.mark.slow
 def test_llama_interleaved_relays_its_rotary_tables():
     """2 gloo ranks: Llama with 4 layers in 4 stages on (2, 1) under interleaved 1F1B. Its
     rotary tables and mask move between adjacent stages only (relayed), and the keyword
@@ -457,6 +477,8 @@ def test_the_first_stage_takes_every_keyword_and_later_stages_none():
     from autopar.runtime.stages import StageModule
 
     class Seen:
+        options = autopar.Options()
+
         def __call__(self, *args, **kwargs):
             self.kwargs = kwargs
             return args[0]

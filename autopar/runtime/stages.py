@@ -56,7 +56,7 @@ from autopar.passes.lower.emit import check_fingerprint
 from autopar.passes.plan.pipeline import microbatch_inputs
 from autopar.passes.plan.planner import plan_model
 from autopar.passes.plan.pipeline_relay import Relayed
-from autopar.passes.plan.pipeline_stages import split_stages, stage_inputs, stage_options
+from autopar.passes.plan.pipeline_stages import computing_in, split_stages, stage_inputs, stage_options
 from autopar.passes.plan.planning import trace_for_planning
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
@@ -91,10 +91,14 @@ class StageModule(nn.Module):
     whole for the previous stage, and the values it relays (step 6) passed on after its outputs."""
 
     def __init__(self, pm: ParallelModule, group: Any, split: torch.fx.GraphModule,
-                 relay: Optional[Relayed] = None, first: bool = False) -> None:
+                 relay: Optional[Relayed] = None, first: bool = False, last: bool = False) -> None:
         super().__init__()
         self.pm, self.group, self.relay = pm, group, relay
         self.first = first  # the first stage: the only one that takes the model's keyword inputs
+        # the dtype values pass between stages in: under Options.param_dtype the split was
+        # traced in it (passes/plan/pipeline_stages.py), so torch's stages send and receive
+        # it; the last stage's outputs go to the loss as the program returns them
+        self.send_dtype = None if last else pm.options.param_dtype
         self.__dict__["split"] = split  # torch's stage module (not a submodule: its weights are not ours)
         self.replicas: tuple[int, ...] = ()
         self.differentiable: tuple[bool, ...] = ()  # which outputs carry a gradient in torch's own stage
@@ -115,7 +119,8 @@ class StageModule(nn.Module):
         with torch.enable_grad():  # torch sends a gradient back only for outputs that have one
             inputs = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                            for x in args)
-            outs = self.__dict__["split"](*inputs, **kwargs)
+            with computing_in(self.__dict__["split"], self.pm.options.param_dtype):
+                outs = self.__dict__["split"](*inputs, **kwargs)
         self.differentiable = tuple(isinstance(o, torch.Tensor) and o.requires_grad
                                     for o in (outs if isinstance(outs, tuple) else (outs,)))
 
@@ -127,6 +132,8 @@ class StageModule(nn.Module):
         # torch's interleaved schedule hands the step's keywords to every stage on this rank;
         # the first takes them all (one its plan never saw fails there, not dropped unread)
         out = self.pm(*own, **(kwargs if self.first else {}))
+        if self.send_dtype is not None:
+            out = tuple(map(self._to_send, out)) if isinstance(out, tuple) else self._to_send(out)
         if self.relay:
             # a copy (not the received tensor itself, which torch detaches in place after
             # backward): its gradient, whole on every rank already, adds to the input's
@@ -138,6 +145,12 @@ class StageModule(nn.Module):
         # a gradient; autopar's may attach one, and torch cannot send it back to two stages
         return tuple(o if keep or not isinstance(o, torch.Tensor) else o.detach()
                      for o, keep in zip(out, self.differentiable + (True,) * len(out)))
+
+
+    def _to_send(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.send_dtype)
+        return value
 
 
 def pipelined_plan(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
@@ -179,7 +192,7 @@ class PipelineStages:
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, p.microbatches)
         self.pipe_group = pipe_group
         self.tied = tied_parameters(model)
-        split = split_stages(model, mb_args, mb_kwargs, p, self.plan.training)
+        split = split_stages(model, mb_args, mb_kwargs, p, self.plan.training, self.options.param_dtype)
         self._remember_state(model, list(split.modules))
         coordinate = mesh.coords(dist.get_rank())[p.axis]
         torch_stages = []
@@ -191,7 +204,8 @@ class PipelineStages:
             pm = ParallelModule(split.modules[stage.index], stage_mesh(mesh, p.axis), stage_options(self.options),
                                 given, groups=sub_groups)
             module = StageModule(pm, sub_groups.group, split.pipe.get_stage_module(stage.index),
-                                 split.relays.get(stage.index), first=stage.index == 0)
+                                 split.relays.get(stage.index), first=stage.index == 0,
+                                 last=stage.index == len(p.stages) - 1)
             module.prepare(ins, kw)
             self.stages.append(module)
             self.stage_indices.append(stage.index)

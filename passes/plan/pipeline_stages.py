@@ -25,12 +25,14 @@ it), so the stage graphs a rank traces have the fingerprints the plans were made
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.distributed import pipelining as pp
 
+from autopar import _compat
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, stage_mesh
 from autopar.core.plan import Plan
@@ -62,15 +64,78 @@ def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, 
 
 
 def split_stages(model: nn.Module, mb_args: tuple, mb_kwargs: dict, pipeline: PipelinePlan,
-                 training: bool) -> StageSplit:
-    """Step 2, for one microbatch of inputs."""
-    pipe = split_model(model, mb_args, mb_kwargs, pipeline.split_points)
-    modules = tuple(pipe.get_stage_module(k) for k in range(len(pipeline.stages)))  # before relaying
-    interleaved = pipeline.schedule is Schedule.INTERLEAVED_1F1B
-    relays = relay_skips(pipe.split_gm, lambda val: interleaved or (training and val.is_floating_point()))
-    examples, values = _stage_examples(pipe, mb_args, mb_kwargs)
+                 training: bool, param_dtype: Optional[torch.dtype] = None) -> StageSplit:
+    """Step 2, for one microbatch of inputs. Under `param_dtype` (Options.param_dtype) the
+    split is traced with the floating parameters and inputs in that dtype: the casts a
+    model writes as .to(x.dtype) are recorded in the stage graphs as the dtype they run
+    in (in fp32 they would cast bf16 activations back to fp32), and the values passed
+    between stages are in that dtype too (runtime/stages.py StageModule sends them so).
+    The parameters are the masters again after."""
+    with computing_in(model, param_dtype) as cast:
+        pipe = split_model(model, *cast((mb_args, mb_kwargs)), pipeline.split_points)
+        modules = tuple(pipe.get_stage_module(k) for k in range(len(pipeline.stages)))  # before relaying
+        interleaved = pipeline.schedule is Schedule.INTERLEAVED_1F1B
+        relays = relay_skips(pipe.split_gm, lambda val: interleaved or (training and val.is_floating_point()))
+        examples, values = _stage_examples(pipe, *cast((mb_args, mb_kwargs)))
+    modules = tuple(_as_masters(_without_dtype_asserts(m), model) for m in modules)
     check_skips(pipe, values, training, pipeline.schedule)
     return StageSplit(pipe, modules, relays, tuple(examples), values)
+
+
+@contextmanager
+def computing_in(model: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[Callable[[Any], Any]]:
+    """The model's floating parameters in `dtype` for the duration (none changed without
+    one), and a function casting the floating tensors of a tree likewise; the parameters'
+    own tensors are put back after."""
+    if dtype is None:
+        yield lambda tree: tree
+        return
+    saved = [(p, p.data) for p in model.parameters() if p.is_floating_point()]
+    try:
+        with torch.no_grad():
+            for p, data in saved:
+                p.data = data.to(dtype)
+        yield lambda tree: _cast_floating(tree, dtype)
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+def _as_masters(module: nn.Module, model: nn.Module) -> nn.Module:
+    """A stage module whose floating parameters are in the masters' dtype (torch's split
+    may hold copies made while they were cast)."""
+    masters = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != masters:
+                p.data = p.data.to(masters)
+    return module
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    leaves, spec = _compat.tree_flatten(tree)
+    return _compat.tree_unflatten([x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                                   for x in leaves], spec)
+
+
+def _without_dtype_asserts(module: nn.Module) -> nn.Module:
+    """A stage module without the metadata assertions torch's split records in its
+    submodules' graphs (each checks a value's dtype as traced, fp32): under
+    Options.param_dtype the stage computes in bf16 and they would fail. Erased in place
+    (the split is the only user), each graph made runnable again."""
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        asserts = [n for n in graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default]
+        for node in asserts:
+            graph.erase_node(node)
+        if asserts and isinstance(sub, torch.fx.GraphModule):
+            sub.recompile()
+        elif asserts and callable(getattr(sub, "finalize", None)):  # torch.export's InterpreterModule
+            sub.finalize()
+    return module
 
 
 def stage_inputs(split: StageSplit, index: int, mb_args: tuple, mb_kwargs: dict) -> tuple[tuple, dict]:
@@ -96,7 +161,7 @@ def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
     options_of(stage) (passes/plan/pipeline.py stage_solve_options: its budget and the
     microbatches in flight)."""
     p = plan.pipeline
-    split = split_stages(model, mb_args, mb_kwargs, p, plan.training)
+    split = split_stages(model, mb_args, mb_kwargs, p, plan.training, options_of(p.stages[0]).param_dtype)
     sub = stage_mesh(plan.mesh, p.axis)
     out = []
     for stage in p.stages:
