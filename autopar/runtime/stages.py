@@ -282,7 +282,11 @@ class PipelineStages:
 
 def _checked(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, options: Options) -> Plan:
     """A given plan, after checking it was made for this model and these inputs (the
-    first rank traces; a FingerprintMismatchError reaches every rank)."""
+    first rank traces; a FingerprintMismatchError reaches every rank). A pipelined plan
+    carries the graph of one microbatch (passes/plan/pipeline.py), a plain one the whole
+    batch's."""
+    if plan.pipeline is not None:
+        args, kwargs = microbatch_inputs(args, kwargs, plan.pipeline.microbatches)
     check_fingerprint(plan, trace_for_planning(model, args, kwargs, options.param_dtype), "the given plan")
     return plan
 

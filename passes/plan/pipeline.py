@@ -164,8 +164,11 @@ def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
     return replace(options, nodes=1, memory_budget_bytes=None)
 
 
-def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:
-    """The best pipelined plan with `axis` as the pipeline axis (steps 1-4)."""
+def pipelined_plan(solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:
+    """The best pipelined plan with `axis` as the pipeline axis (steps 1-4). It carries
+    the microbatch graph's fingerprint (what a given pipelined plan is checked against:
+    runtime/stages.py)."""
+    micro = solves.traced
     schedule, microbatches = Schedule.of(options.pipeline_schedule), options.microbatches
     check_request(mesh.shape, axis, microbatches)
     ranks = mesh.shape[axis]
@@ -174,11 +177,11 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     n_stages = ranks * schedule.chunks_per_rank
     if n_stages > len(fastest.block_s):
         raise PipelineError(f"pipeline axis {axis} of mesh {mesh.shape} asks for {n_stages} stages ({ranks} ranks x "
-                            f"{schedule.chunks_per_rank} chunks, schedule {schedule}) but {full.model_name} has only "
+                            f"{schedule.chunks_per_rank} chunks, schedule {schedule}) but {micro.model_name} has only "
                             f"{len(fastest.block_s)} blocks in {fastest.container}; pipeline over an axis of at most "
                             f"{len(fastest.block_s)} ranks, use schedule '1f1b', or set pipeline_axis=None")
     check_microbatches(schedule, microbatches, ranks)
-    training = full.training if options.training is None else options.training
+    training = micro.training if options.training is None else options.training
     link = CostModel.analytic(options.device, mesh.shape, training, options.nodes,
                               link_overrides(options.links)).link(axis)
     sends = tuple((link.alpha_s + b * link.beta_s_per_byte) * (2 if training else 1)
@@ -194,7 +197,7 @@ def pipelined_plan(full: TracedGraph, solves: SubMeshSolves, mesh: Mesh, axis: i
     if budget is not None and param_bytes + state_bytes + activation_bytes > budget:  # interleaved: v stages a rank
         raise PipelineMemoryError(budget, param_bytes + state_bytes + activation_bytes, n_stages,
                                   len(units.block_s), schedule.value)
-    return Plan(mesh=mesh, model_name=full.model_name, fingerprint=full.fingerprint, training=training,
+    return Plan(mesh=mesh, model_name=micro.model_name, fingerprint=micro.fingerprint, training=training,
                 device=sub.device, nodes=(), edges=(), compute_s=step_s * (1 - comm_share),
                 comm_s=step_s * comm_share, param_bytes=param_bytes, activation_bytes=activation_bytes,
                 solver=_pipeline_report(sub.solver, step_s), unruled_ops=sub.unruled_ops, state_bytes=state_bytes,
@@ -277,15 +280,17 @@ def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> 
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
-    """autopar.plan with Options.pipeline_axis set: trace at the full batch and at one
-    microbatch, choose_plan, and for a pipelined plan every stage's own plan
-    (passes/plan/pipeline_stages.py) under its share of the budget, which the plan's
-    figures are then taken from (with_stage_plans)."""
+    """autopar.plan with Options.pipeline_axis set: trace at one microbatch (and at the
+    full batch for "auto", whose plain candidate needs it), choose_plan, and for a
+    pipelined plan every stage's own plan (passes/plan/pipeline_stages.py) under its share
+    of the budget, which the plan's figures are then taken from (with_stage_plans)."""
     check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
-    full = trace_for_planning(model, args, kwargs, options.param_dtype)
     micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)
-    plan = choose_plan(full, micro, mesh, options, lambda: plan_traced(full, mesh, options)[1])
+
+    def plain() -> Plan:
+        return plan_traced(trace_for_planning(model, args, kwargs, options.param_dtype), mesh, options)[1]
+    plan = choose_plan(micro, mesh, options, plain)
     if plan.pipeline is None or options.cost_model is CostSource.PROFILE:  # a profile times each stage where it runs
         return plan
     solving = stage_solve_options(plan, options)
@@ -299,13 +304,13 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
     return with_stage_plans(plan, stages, options)
 
 
-def choose_plan(full: TracedGraph, micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> Plan:
+def choose_plan(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> Plan:
     """Options.pipeline_axis: an axis (that axis pipelines) or "auto" (step 5). `plain` is
     a function of no arguments returning the unpipelined plan (solved only for "auto")."""
     axis = options.pipeline_axis
     solves = SubMeshSolves(micro, options)
     if axis is not PipelineAxis.AUTO:
-        return pipelined_plan(full, solves, mesh, axis, options)
+        return pipelined_plan(solves, mesh, axis, options)
     best, refused = None, []  # under a budget, a pipeline that fits beats a plain plan that does not
     try:
         best = plain()
@@ -315,7 +320,7 @@ def choose_plan(full: TracedGraph, micro: TracedGraph, mesh: Mesh, options: Opti
         if size == 1:
             continue
         try:
-            candidate = pipelined_plan(full, solves, mesh, a, options)
+            candidate = pipelined_plan(solves, mesh, a, options)
         except MemoryBudgetError as e:
             refused.append(e)
             continue
