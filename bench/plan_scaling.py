@@ -1,52 +1,91 @@
-"""Planning time as models deepen: the GPT-2 small shape at 12, 24 and 48 layers on mesh
-(2,4), and the Llama-3-8B shape (32 layers, hidden 4096, 32/8 heads, vocab 128256), all
-on the meta device (no weights), training, h100 preset. Planning time is autopar.plan
-end to end: trace, strategies, ILP build and solve, plan read-back.
+"""Planning time and memory as models grow, on the meta device (no weights), training,
+h100 preset. Planning time is autopar.plan end to end: trace, strategies, ILP build and
+solve, plan read-back (and for a pipeline, the split and every stage's own plan).
 
-    python bench/plan_scaling.py [--repeats 3] [--cluster inner|all|off]
+    python bench/plan_scaling.py [--repeats 3] [--cluster inner|all|off] [--skip-70b] [--skip-405b]
 
-Prints the median of --repeats runs per shape with the ILP's size; last line
-'growth 12->48 layers: <x>x' (goals: <= 4x; the 8B shape under 30 s). Then, once (it is
-the slowest), the Llama-3-70B shape (80 layers, hidden 8192, 64/8 heads) on mesh (4, 8)
-over 4 nodes with pipeline_axis="auto" and 8 microbatches: the planner prices stages on
-each axis's sub-mesh against the plain plan (goal: under 60 s); --skip-70b leaves it out.
+1. The GPT-2 small shape at 12, 24 and 48 layers and the Llama-3-8B shape (32 layers,
+   hidden 4096, 32/8 heads, vocab 128256) on mesh (2, 4), batch 8 x 512: the median of
+   --repeats runs with the ILP's size; 'growth 12->48 layers' (goal <= 4x; issue goal for
+   the 8B shape: under 5 s).
+2. Once each (the slowest): the Llama-3-70B shape (80 layers, hidden 8192, 64/8 heads) on
+   (4, 8) over 4 nodes, pipeline_axis="auto", 8 microbatches (goal under 15 s); the
+   Llama-3.1-405B shape (126 layers, hidden 16384, FFN 53248, 128/8 heads) on (8, 8, 8)
+   over 64 nodes, batch 16 x 8192, pipeline axis 0, 16 microbatches under 1F1B, bf16
+   compute, a 70 GiB budget (goal: a plan that fits, under 60 s and 8 GB).
+
+Every shape is planned in a process of its own, so each row's peak memory (the largest
+resident set of that process) is that shape's alone. The last lines give each shape's
+seconds and peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import resource
 import statistics
 import time
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
 import autopar  # noqa: E402
 from autopar.tools.zoo import build  # noqa: E402
 
 SHAPES = (("gpt2-small", {"n_layer": 12}, "GPT-2 12L"), ("gpt2-small", {"n_layer": 24}, "GPT-2 24L"),
           ("gpt2-small", {"n_layer": 48}, "GPT-2 48L"), ("llama3-8b", {}, "Llama-3-8B"))
+LLAMA3_70B = dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                  num_key_value_heads=8)
+LLAMA31_405B = dict(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+                    num_key_value_heads=8)
 
 
-def plan_once(name: str, overrides: dict, cluster: str):
+def plan_flat(name: str, overrides: dict, cluster: str) -> tuple[float, autopar.Plan]:
     model, args, kwargs = build(name, batch=8, seq=512, training=True, device="meta", **overrides)
     t = time.perf_counter()
     plan = autopar.plan(model, args, kwargs, mesh=(2, 4), device="h100", cluster_layers=cluster)
     return time.perf_counter() - t, plan
 
 
-LLAMA3_70B = dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                  num_key_value_heads=8)
-
-
-def plan_70b():
-    """The Llama-3-70B shape on (4, 8), 4 nodes, pipeline 'auto' (meta device: no weights)."""
+def plan_70b() -> tuple[float, autopar.Plan]:
     model, args, kwargs = build("llama3-8b", batch=8, seq=512, training=True, device="meta", **LLAMA3_70B)
     t = time.perf_counter()
     plan = autopar.plan(model, args, kwargs, mesh=(4, 8), device="h100", nodes=4, pipeline_axis="auto",
                         microbatches=8)
     return time.perf_counter() - t, plan
+
+
+def plan_405b() -> tuple[float, autopar.Plan]:
+    model, args, kwargs = build("llama3-8b", batch=16, seq=8192, training=True, device="meta", **LLAMA31_405B)
+    t = time.perf_counter()
+    plan = autopar.plan(model, args, kwargs, mesh=(8, 8, 8), device="h100", nodes=64, pipeline_axis=0,
+                        microbatches=16, param_dtype=torch.bfloat16, memory_budget_bytes=70 * 2**30)
+    return time.perf_counter() - t, plan
+
+
+def _row(job: tuple) -> dict:
+    """One shape planned in this (fresh) process: seconds, the plan's figures, peak RSS."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    kind, a = job[0], job[1:]
+    seconds, plan = {"flat": plan_flat, "70b": plan_70b, "405b": plan_405b}[kind](*a)
+    p, s = plan.pipeline, plan.solver
+    return {"seconds": seconds, "step_ms": plan.total_s * 1e3, "memory_gib": plan.memory_bytes / 2**30,
+            "variables": s.variables, "constraints": s.constraints, "shared": s.shared_blocks, "status": s.status,
+            "chose": f"pipeline axis {p.axis}, {len(p.stages)} stages" if p is not None else "no pipeline",
+            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+
+
+def in_own_process(job: tuple) -> dict:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        row = pool.apply(_row, (job,))
+        pool.close()
+        pool.join()
+    return row
 
 
 def main() -> None:
@@ -55,25 +94,27 @@ def main() -> None:
     ap.add_argument("--cluster", default="inner", choices=("inner", "all", "off"),
                     help="Options.cluster_layers (default inner; off for contrast)")
     ap.add_argument("--skip-70b", action="store_true", help="leave out the Llama-3-70B (4, 8) pipeline-auto row")
+    ap.add_argument("--skip-405b", action="store_true", help="leave out the Llama-3.1-405B (8, 8, 8) row")
     args = ap.parse_args()
-    warnings.simplefilter("ignore")
-    print(f"{'shape':<11} {'median s':>9} {'ILP s':>7} {'variables':>10} {'constraints':>11} {'shared':>6} status")
-    medians = {}
+    print(f"{'shape':<11} {'median s':>9} {'peak GB':>8} {'variables':>10} {'constraints':>11} {'shared':>6} status")
+    last: dict[str, tuple[float, float]] = {}
     for name, overrides, label in SHAPES:
-        runs = [plan_once(name, overrides, args.cluster) for _ in range(args.repeats)]
-        median = statistics.median(t for t, _ in runs)
-        s = runs[-1][1].solver
-        medians[label] = median
-        print(f"{label:<11} {median:9.2f} {s.solve_time_s:7.2f} {s.variables:10d} {s.constraints:11d} "
-              f"{s.shared_blocks:6d} {s.status}", flush=True)
-    if not args.skip_70b:
-        seconds, plan = plan_70b()
-        p = plan.pipeline
-        chose = (f"pipeline axis {p.axis}, {len(p.stages)} stages" if p is not None else "no pipeline")
-        print(f"Llama-3-70B shape (4, 8) pipeline auto: {seconds:.1f} s (goal < 60 s); chose {chose}, "
-              f"predicted step {plan.total_s * 1e3:.1f} ms", flush=True)
-    print(f"Llama-3-8B shape: {medians['Llama-3-8B']:.1f} s (goal < 30 s)")
-    print(f"growth 12->48 layers: {medians['GPT-2 48L'] / medians['GPT-2 12L']:.2f}x")
+        runs = [in_own_process(("flat", name, overrides, args.cluster)) for _ in range(args.repeats)]
+        median = statistics.median(r["seconds"] for r in runs)
+        r = runs[-1]
+        last[label] = (median, max(x["peak_gb"] for x in runs))
+        print(f"{label:<11} {median:9.2f} {last[label][1]:8.2f} {r['variables']:10d} {r['constraints']:11d} "
+              f"{r['shared']:6d} {r['status']}", flush=True)
+    print(f"growth 12->48 layers: {last['GPT-2 48L'][0] / last['GPT-2 12L'][0]:.2f}x (goal <= 4x)")
+    big = [("Llama-3-70B (4, 8) pipeline auto", "70b", 15)] * (not args.skip_70b) + \
+          [("Llama-3.1-405B (8, 8, 8) pipeline axis 0, bf16, 70 GiB", "405b", 60)] * (not args.skip_405b)
+    for label, kind, goal in big:
+        r = in_own_process((kind,))
+        last[label] = (r["seconds"], r["peak_gb"])
+        print(f"{label}: {r['seconds']:.1f} s (goal < {goal} s), peak {r['peak_gb']:.2f} GB; chose {r['chose']}, "
+              f"predicted step {r['step_ms']:.1f} ms, {r['memory_gib']:.1f} GiB per rank", flush=True)
+    for label, (seconds, peak) in last.items():
+        print(f"{label}: {seconds:.1f} s, peak {peak:.2f} GB")
 
 
 if __name__ == "__main__":
