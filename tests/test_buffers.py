@@ -80,6 +80,7 @@ def test_a_wrong_buffer_update_is_caught_by_the_simulator(resnet):
         simulate_against(model, args, kwargs, traced, plan, reference_run(other, args, kwargs, training=True))
 
 
+@pytest.mark.slow  # subprocesses or gloo ranks: in the full suite, out of the fast set
 def test_batch_norm_training_on_gloo_ranks_matches_one_device():
     per_rank = [r[0] for r in run_ranks(2, [(cases.batch_norm_training, dict(mesh=(2,), steps=2))])]
     for rank, res in enumerate(per_rank):

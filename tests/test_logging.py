@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import logging
 import os
 import subprocess
@@ -24,6 +26,7 @@ def test_planning_logs_each_stage_with_its_time_at_info(caplog):
     assert any("Optimal" in line and "variables" in line for line in lines), lines
 
 
+@pytest.mark.slow  # subprocesses or gloo ranks: in the full suite, out of the fast set
 def test_quiet_by_default_and_on_stderr_with_autopar_log():
     env = {k: v for k, v in os.environ.items() if k != "AUTOPAR_LOG"}
     quiet = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=300)

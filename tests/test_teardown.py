@@ -7,6 +7,8 @@ bench/soak.py and the README's figures, not here: one run proves nothing."""
 
 from __future__ import annotations
 
+import pytest
+
 import sys
 import tempfile
 
@@ -38,6 +40,7 @@ print("trained", sorted(state)[:1], flush=True)
 """
 
 
+@pytest.mark.slow  # subprocesses or gloo ranks: in the full suite, out of the fast set
 def test_a_job_that_never_destroys_its_groups_exits_0_with_them_taken_down():
     with tempfile.TemporaryDirectory() as tmp:
         ended = run_processes([[sys.executable, "-c", SCRIPT, str(rank), f"{tmp}/store"] for rank in range(2)],
