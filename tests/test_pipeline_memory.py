@@ -12,6 +12,7 @@ import pytest
 
 import autopar
 from autopar.core.errors import MemoryBudgetError
+from autopar.core.kinds import StepKind
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelineMemoryError, Schedule, check_microbatches
 from autopar.passes.plan import pipeline
@@ -143,3 +144,51 @@ def test_interleaved_takes_a_split_whose_ranks_fit_though_a_stage_exceeds_half_t
     with pytest.raises(PipelineMemoryError) as caught:  # below the heaviest rank: refused, with that figure
         _fitting_split(lambda: (heavy_first,), heavy_first, FREE, 4, replace(options, memory_budget_bytes=69))
     assert caught.value.smallest_bytes == 70
+
+
+def test_a_node_count_that_does_not_divide_the_sub_mesh_still_plans(gpt2):
+    # the stage prices are made on the sub-mesh with the node count that gives its axes
+    # the link kinds they have in the whole mesh (4 nodes of (4, 2): axis 1 inside a node)
+    model, kw, _ = gpt2
+    plan = autopar.plan(model, (), kw, mesh=(4, 2), nodes=4, pipeline_axis=0, microbatches=4)
+    assert plan.pipeline is not None and len(plan.stage_plans) == 4
+
+
+def test_memory_priced_plans_may_store_parameters_sharded(gpt2):
+    # a price on memory makes the same choices a budget does: parameters stored sharded
+    # and gathered where used (not merely in the layout their reader wants), blocks recomputed
+    from autopar.core.mesh import Mesh
+    from autopar.passes.plan.planning import plan_annotated, trace_for_planning
+    from autopar.passes.strategies.strategies import annotate
+    model, kw, _ = gpt2
+    graph = annotate(trace_for_planning(model, (), kw), Mesh.of((2,)), None, True)
+    options = Options(training=True, memory_budget_bytes=None)
+    free = plan_annotated(graph, options)
+    priced = plan_annotated(graph, options, memory_price=1024 * free.total_s / free.memory_bytes)
+    assert priced.param_bytes < free.param_bytes and priced.memory_bytes < free.memory_bytes
+    assert priced.recompute and priced.total_s > free.total_s
+    stored = {n.name for n in priced.nodes if n.kind.is_state and not n.outputs[0].is_replicated()}
+    gathered = {e.producer for e in priced.edges if e.producer in stored
+                and any(step.kind is StepKind.ALL_GATHER for step in e.steps)}
+    # a block's own parameters too, each read once (the tied wte / lm_head is read twice)
+    assert any(name.startswith("p_transformer_h_") for name in gathered), gathered
+
+
+def test_a_bf16_split_leaves_the_masters_and_their_tied_copies_exact(gpt2):
+    # GPT-2's wte and lm_head are one tensor: torch's split copies it into the last stage
+    # while the parameters are cast; that copy takes the fp32 master's value back
+    import torch
+    from autopar.core.pipeline import PipelinePlan, Stage
+    from autopar.passes.plan.pipeline_stages import split_stages
+    model, kw, free = gpt2
+    before = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    small = {k: v[:2] for k, v in kw.items()}
+    split = split_stages(model, (), small, free.pipeline, True, torch.bfloat16)
+    masters = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in masters.items():
+        assert p.dtype == torch.float32 and torch.equal(p, before[name]), name
+    for module in split.modules:
+        for name, q in module.named_parameters(remove_duplicate=False):
+            if name in masters:
+                assert q.dtype == torch.float32 and torch.equal(q, masters[name]), name
+    assert isinstance(free.pipeline, PipelinePlan) and isinstance(free.pipeline.stages[0], Stage)

@@ -53,7 +53,7 @@ from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.lower.emit import check_fingerprint
-from autopar.passes.plan.pipeline import microbatch_inputs
+from autopar.passes.plan.pipeline import microbatch_inputs, stage_solve_options
 from autopar.passes.plan.planner import plan_model
 from autopar.passes.plan.pipeline_relay import Relayed
 from autopar.passes.plan.pipeline_stages import computing_in, split_stages, stage_inputs, stage_options
@@ -95,10 +95,11 @@ class StageModule(nn.Module):
         super().__init__()
         self.pm, self.group, self.relay = pm, group, relay
         self.first = first  # the first stage: the only one that takes the model's keyword inputs
-        # the dtype values pass between stages in: under Options.param_dtype the split was
-        # traced in it (passes/plan/pipeline_stages.py), so torch's stages send and receive
-        # it; the last stage's outputs go to the loss as the program returns them
-        self.send_dtype = None if last else pm.options.param_dtype
+        # under Options.param_dtype the split was traced in it (passes/plan/pipeline_stages.py)
+        # and torch's stages receive each value in the dtype it had there: per output, that
+        # dtype (prepare records it); the last stage's outputs go to the loss as they are
+        self.cast_sends = pm.options.param_dtype is not None and not last
+        self.send_dtypes: tuple[Optional[torch.dtype], ...] = ()
         self.__dict__["split"] = split  # torch's stage module (not a submodule: its weights are not ours)
         self.replicas: tuple[int, ...] = ()
         self.differentiable: tuple[bool, ...] = ()  # which outputs carry a gradient in torch's own stage
@@ -119,10 +120,11 @@ class StageModule(nn.Module):
         with torch.enable_grad():  # torch sends a gradient back only for outputs that have one
             inputs = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                            for x in args)
-            with computing_in(self.__dict__["split"], self.pm.options.param_dtype):
-                outs = self.__dict__["split"](*inputs, **kwargs)
-        self.differentiable = tuple(isinstance(o, torch.Tensor) and o.requires_grad
-                                    for o in (outs if isinstance(outs, tuple) else (outs,)))
+            with computing_in(self.__dict__["split"], self.pm.options.param_dtype) as cast:
+                outs = self.__dict__["split"](*cast(inputs), **cast(kwargs))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        self.differentiable = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
+        self.send_dtypes = tuple(o.dtype if isinstance(o, torch.Tensor) else None for o in outs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         own = args[: self.relay.inputs] if self.relay else args
@@ -132,8 +134,9 @@ class StageModule(nn.Module):
         # torch's interleaved schedule hands the step's keywords to every stage on this rank;
         # the first takes them all (one its plan never saw fails there, not dropped unread)
         out = self.pm(*own, **(kwargs if self.first else {}))
-        if self.send_dtype is not None:
-            out = tuple(map(self._to_send, out)) if isinstance(out, tuple) else self._to_send(out)
+        if self.cast_sends:
+            out = tuple(map(_as_sent, out, self.send_dtypes + (None,) * len(out))) if isinstance(out, tuple) else \
+                _as_sent(out, self.send_dtypes[0])
         if self.relay:
             # a copy (not the received tensor itself, which torch detaches in place after
             # backward): its gradient, whole on every rank already, adds to the input's
@@ -147,10 +150,13 @@ class StageModule(nn.Module):
                      for o, keep in zip(out, self.differentiable + (True,) * len(out)))
 
 
-    def _to_send(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(self.send_dtype)
-        return value
+
+
+def _as_sent(value: Any, dtype: Optional[torch.dtype]) -> Any:
+    """`value` in the dtype torch's stage expects for it (floating tensors only)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and dtype is not None and dtype != value.dtype:
+        return value.to(dtype)
+    return value
 
 
 def pipelined_plan(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
@@ -195,14 +201,17 @@ class PipelineStages:
         split = split_stages(model, mb_args, mb_kwargs, p, self.plan.training, self.options.param_dtype)
         self._remember_state(model, list(split.modules))
         coordinate = mesh.coords(dist.get_rank())[p.axis]
+        solving = stage_solve_options(self.plan, self.options)
         torch_stages = []
         for stage in p.stages:
             if stage.rank != coordinate:
                 continue
             ins, kw = stage_inputs(split, stage.index, mb_args, mb_kwargs)
             given = self.plan.stage_plans[stage.index] if self.plan.stage_plans else None
-            pm = ParallelModule(split.modules[stage.index], stage_mesh(mesh, p.axis), stage_options(self.options),
-                                given, groups=sub_groups)
+            # a stage without a stored plan solves here, as the planner would have solved it
+            options = stage_options(self.options) if given else solving[stage.index]
+            pm = ParallelModule(split.modules[stage.index], stage_mesh(mesh, p.axis), options, given,
+                                groups=sub_groups)
             module = StageModule(pm, sub_groups.group, split.pipe.get_stage_module(stage.index),
                                  split.relays.get(stage.index), first=stage.index == 0,
                                  last=stage.index == len(p.stages) - 1)

@@ -155,7 +155,7 @@ def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
     the link kind (intra- or inter-node) it has in the whole mesh on Options.nodes nodes
     (the smallest such count; one node if none does). The sub-mesh plan is solved without
     the memory budget: it covers the whole graph, more than any one stage holds; the budget
-    bounds the stage split (_fitting_split) and each stage's own plan (stage_budgets)."""
+    bounds the stage split (_fitting_split) and each stage's own plan (stage_solve_options)."""
     sub = stage_mesh(mesh, axis)
     want = tuple(k for a, k in enumerate(mesh.link_kinds(options.nodes)) if a != axis) or sub.link_kinds(1)
     for nodes in range(1, sub.size + 1):
@@ -173,7 +173,7 @@ def pipelined_plan(solves: SubMeshSolves, mesh: Mesh, axis: int, options: Option
     check_request(mesh.shape, axis, microbatches)
     ranks = mesh.shape[axis]
     graph, sub = solves(mesh, axis)
-    fastest = units_of(graph, sub, stage_costs(options, sub))
+    fastest = units_of(graph, sub, stage_costs(_stage_options(options, mesh, axis), sub))
     n_stages = ranks * schedule.chunks_per_rank
     if n_stages > len(fastest.block_s):
         raise PipelineError(f"pipeline axis {axis} of mesh {mesh.shape} asks for {n_stages} stages ({ranks} ranks x "

@@ -5,9 +5,10 @@
 The DP picks contiguous block ranges, one per stage, minimising the slowest stage:
     F[k][j] = min over i with fits(i, j, k-1) of max(F[k-1][i], cost(i, j))
 where fits(i, j, k) holds when stage k holding blocks i..j-1 stays under the budget:
-    bytes(i, j, k) = sum_b (param[b] + state[b]) + in_flight(k) * sum_b act[b]   <= cap
+    bytes(i, j, k) = sum_b (param[b] + state[b]) + in_flight(k) * (sum_b act[b] + recv[i])   <= cap
 (param: parameters; state: gradients and optimiser state in training; act: one
-microbatch's op outputs; in_flight: microbatches whose activations stage k holds at
+microbatch's op outputs; recv[i]: the values a stage starting at block i receives,
+whole; in_flight: microbatches whose activations stage k holds at
 once, all M under GPipe, min(M, S - k) under 1F1B). One stage per rank (GPipe, 1F1B): cap
 is the budget and the bound is exact. Interleaved 1F1B puts v stages on each rank: cap is
 budget / v, enough (not needed) for the rank's sum to fit; when no split meets it,
@@ -53,10 +54,12 @@ class MemoryBound:
     microbatches: int
 
     def stage_bytes(self, units: Units, i: int, j: int, index: int, n_stages: int) -> int:
-        """bytes(i, j, k) of the module docstring: stage `index` holding blocks i..j-1."""
+        """bytes(i, j, k) of the module docstring: stage `index` holding blocks i..j-1, and
+        per microbatch in flight the activations it makes and those it receives (whole)."""
         held = sum(units.param_bytes[i:j]) + sum(units.state_bytes[i:j])
-        return held + in_flight_count(self.schedule, index, n_stages, self.microbatches) * sum(
-            units.activation_bytes[i:j])
+        received = units.boundary_bytes[i - 1] if i > 0 else 0
+        return held + in_flight_count(self.schedule, index, n_stages, self.microbatches) * (
+            sum(units.activation_bytes[i:j]) + received)
 
     @property
     def stage_cap_bytes(self) -> int:
@@ -172,7 +175,8 @@ def rank_bytes(units: Units, stages: tuple[Stage, ...], schedule: Schedule, micr
     for s in stages:
         live = in_flight(schedule, s, len(stages), microbatches)
         old = per_rank.get(s.rank, (0, 0, 0))
+        received = units.boundary_bytes[s.first - 1] if s.first > 0 else 0
         per_rank[s.rank] = (old[0] + sum(units.param_bytes[s.first:s.stop]),
                             old[1] + sum(units.state_bytes[s.first:s.stop]),
-                            old[2] + live * sum(units.activation_bytes[s.first:s.stop]))
+                            old[2] + live * (sum(units.activation_bytes[s.first:s.stop]) + received))
     return max(per_rank.values(), key=sum)

@@ -77,7 +77,10 @@ def split_stages(model: nn.Module, mb_args: tuple, mb_kwargs: dict, pipeline: Pi
         interleaved = pipeline.schedule is Schedule.INTERLEAVED_1F1B
         relays = relay_skips(pipe.split_gm, lambda val: interleaved or (training and val.is_floating_point()))
         examples, values = _stage_examples(pipe, *cast((mb_args, mb_kwargs)))
-    modules = tuple(_as_masters(_without_dtype_asserts(m), model) for m in modules)
+    modules = tuple(_without_dtype_asserts(m) for m in modules)
+    if param_dtype is not None:
+        for m in modules:
+            _as_masters(m, model)
     check_skips(pipe, values, training, pipeline.schedule)
     return StageSplit(pipe, modules, relays, tuple(examples), values)
 
@@ -101,15 +104,17 @@ def computing_in(model: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[Cal
             p.data = data
 
 
-def _as_masters(module: nn.Module, model: nn.Module) -> nn.Module:
-    """A stage module whose floating parameters are in the masters' dtype (torch's split
-    may hold copies made while they were cast)."""
-    masters = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+def _as_masters(module: nn.Module, model: nn.Module) -> None:
+    """A stage module's parameters the model's masters again: torch's split shares most
+    Parameter objects with the model (computing_in restored those), but holds copies of
+    some (tied weights), made while cast; each such copy takes its master's value and
+    dtype back, by name (the split keeps the model's names)."""
+    masters = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for p in module.parameters():
-            if p.is_floating_point() and p.dtype != masters:
-                p.data = p.data.to(masters)
-    return module
+        for name, q in module.named_parameters(remove_duplicate=False):
+            master = masters.get(name)
+            if master is not None and q is not master and q.is_floating_point():
+                q.data = master.detach().clone()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -97,5 +97,5 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
                 training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
                 compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
                 activation_bytes=act_bytes + again.memory_bytes * in_flight, solver=report,
-                unruled_ops=graph.unruled_ops, state_bytes=state_bytes, discovered_ops=graph.discovered_ops, recompute=recompute, hidden_s=hidden,
-                routing_notes=routing_notes(graph.traced.gm))
+                unruled_ops=graph.unruled_ops, state_bytes=state_bytes, discovered_ops=graph.discovered_ops,
+                recompute=recompute, hidden_s=hidden, routing_notes=routing_notes(graph.traced.gm))

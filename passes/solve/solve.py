@@ -182,9 +182,9 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     pricer = EdgePricer(costs)
     memory = node_memory(graph, costs, options)
     # 2. groups, and the variables repeated blocks share
-    groups, blocks = _groups_and_blocks(graph, pricer, options)
     budget = options.memory_budget_bytes
     lean = budget is not None or memory_price > 0  # memory counts: sharded storage and recompute are choices
+    groups, blocks = _groups_and_blocks(graph, pricer, options, lean)
     compute = node_costs(graph, costs)
     forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
     # gradient buckets hide under backward, prefetched parameter gathers under the compute
@@ -268,11 +268,11 @@ def _recomputed(model: IlpModel, ilp: Ilp, solution: Solution) -> tuple[Recomput
                  for block, r in zip(model.blocks, ilp.variables.recompute.recomputed) if solution.values[r] > 0.5)
 
 
-def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Options
+def _groups_and_blocks(graph: AnnotatedGraph, pricer: EdgePricer, options: Options, lean: bool
                        ) -> tuple[dict[str, Member], Blocks]:
-    # under a budget a parameter may be stored sharded and gathered at use (FSDP), so it
-    # does not simply take the layout its consumer reads
-    store_as_read = options.memory_budget_bytes is None
+    # where memory counts (a budget, or memory priced) a parameter may be stored sharded
+    # and gathered at use (FSDP), so it does not simply take the layout its consumer reads
+    store_as_read = not lean
     mode = options.cluster_layers
     block_of = shared_blocks_of(graph) if mode is not Clustering.OFF else {}
     groups = build_groups(graph, pricer, options.follow, store_as_read, block_of)
