@@ -18,13 +18,14 @@ pytestmark = pytest.mark.slow
 MODELS = ["mlp", "gpt2", "llama", "bert"]
 MESHES_4 = [(1, 4), (4, 1), (2, 2)]
 HAND_MODELS = ["gpt2", "llama"]
-HAND_STYLES = ["data_parallel", "megatron", "dp_tp", "fsdp"]
+HAND_STYLES = ["data_parallel", "megatron", "dp_tp", "fsdp", "fsdp_tp"]
 # what each hand style must have laid out: (an input, a column-parallel weight, a norm weight)
 HAND_LAYOUTS = {
     "data_parallel": ("S(0)S(0)", "RR", "RR"),
     "megatron": ("RR", "S(d)S(d)", "RR"),
     "dp_tp": ("S(0)R", "RS(d)", "RR"),
     "fsdp": ("S(0)S(0)", "S(0)S(0)", "S(0)S(0)"),
+    "fsdp_tp": ("S(0)R", "S(0)S(d)", "S(0)R"),  # Megatron on axis 1, each block's dim 0 split on axis 0
 }
 
 

@@ -15,6 +15,9 @@ plan here is therefore the *best* plan of its style, a strict baseline.
     dp_tp          Megatron on the last mesh axis, data parallel on the others
     fsdp           every parameter stored split along its first dim over the whole mesh
                    (ZeRO-3) and gathered where it is used; inputs split by batch
+    fsdp_tp        torchtitan's 2-D: Megatron on the last axis, each parameter's first dim
+                   (within its Megatron block) stored split over the others and gathered
+                   where used; inputs split by batch over the others
 
 Context parallelism (torchtitan's and Megatron's, with keys and values all-gathered):
 the inputs split along the sequence (dim 1) and every attention keeps its query rows
@@ -128,6 +131,27 @@ def fsdp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
     return HandLayout(params, all_axes)
 
 
+def fsdp_tp(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
+    """torchtitan's 2-D layout: Megatron on the last axis, and every parameter's first dim
+    (within its tensor-parallel block) stored split over the other axes and gathered
+    where it is used; inputs split by batch over the other axes."""
+    ndim = len(mesh_shape)
+    if ndim < 2:
+        raise HandPlanError(f"hand-plan style 'fsdp_tp' puts Megatron on the last mesh axis and FSDP on the others: "
+                            f"mesh {mesh_shape} has one axis; use fsdp or megatron")
+    dp_axes, last = tuple(range(ndim - 1)), ndim - 1
+    dp_ways = prod(mesh_shape[a] for a in dp_axes)
+    params = tensor_parallel_params(model, mesh_shape, (last,))
+    shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+    for name, placements in params.items():
+        shape = shapes[name]
+        tp_ways = mesh_shape[last] if placements[last] == Shard(0) else 1
+        if shape and shape[0] % (dp_ways * tp_ways) == 0:
+            params[name] = tuple(Shard(0) if a in dp_axes and mesh_shape[a] > 1 else p
+                                 for a, p in enumerate(placements))
+    return HandLayout(params, dp_axes)
+
+
 def _all_axes(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(range(len(mesh_shape)))
 
@@ -174,7 +198,7 @@ def ep(model: nn.Module, mesh_shape: tuple[int, ...]) -> HandLayout:
 
 
 STYLES: dict[str, Callable[[nn.Module, tuple[int, ...]], HandLayout]] = {
-    "data_parallel": data_parallel, "megatron": megatron, "dp_tp": dp_tp, "fsdp": fsdp,
+    "data_parallel": data_parallel, "megatron": megatron, "dp_tp": dp_tp, "fsdp": fsdp, "fsdp_tp": fsdp_tp,
     "cp": cp, "dp_cp": dp_cp, "fsdp_cp": fsdp_cp, "tp_cp": tp_cp, "ep": ep}
 EXPERT_STYLES = ("ep",)  # styles of models with routed experts (a HandPlanError on others)
 DENSE_STYLES = tuple(s for s in STYLES if s not in EXPERT_STYLES)
