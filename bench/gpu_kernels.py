@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import importlib.util
 import os
 import statistics
 import sys
@@ -26,11 +27,21 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autopar  # noqa: E402
-import gpu_step  # noqa: E402
+
+
+def _bench_script(name: str):
+    """bench/<name>.py, a sibling script (not a package), loaded by its path."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_step = _bench_script("gpu_step")
 
 
 def kernels(step, steps: int) -> tuple[dict[str, float], float, int]:

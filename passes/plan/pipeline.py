@@ -130,14 +130,13 @@ class SubMeshSolves:
             self._done[key] = (graph, plan_annotated(graph, options))
         return self._done[key]
 
-    def frontier(self, mesh: Mesh, axis: int) -> tuple[Units, ...]:
-        """Units of the fastest sub-mesh plan, then of its leaner plans."""
+    def leaner(self, mesh: Mesh, axis: int) -> tuple[Units, ...]:
+        """Units of the sub-mesh plan's leaner plans (memory priced), leanest last."""
         options = _stage_options(self.options, mesh, axis)
         key = (stage_mesh(mesh, axis).shape, options.nodes)
         if key not in self._frontiers:
             graph, fastest = self(mesh, axis)
-            self._frontiers[key] = (units_of(graph, fastest, stage_costs(options, fastest)),
-                                    *lean_frontier(graph, fastest, options))
+            self._frontiers[key] = lean_frontier(graph, fastest, options)
         return self._frontiers[key]
 
 
@@ -186,7 +185,7 @@ def pipelined_plan(solves: SubMeshSolves, mesh: Mesh, axis: int, options: Option
                               link_overrides(options.links)).link(axis)
     sends = tuple((link.alpha_s + b * link.beta_s_per_byte) * (2 if training else 1)
                   for b in fastest.boundary_bytes)
-    ranges, units = _fitting_split(lambda: solves.frontier(mesh, axis), fastest, sends, n_stages, options)
+    ranges, units = _fitting_split(lambda: (fastest, *solves.leaner(mesh, axis)), fastest, sends, n_stages, options)
     stages = stage_values(units, sends, units.boundary_bytes, ranges, ranks)
     step_s, bubble_s = step_time(stages, ranks, microbatches)
     pipeline = PipelinePlan(axis, microbatches, schedule, units.container, len(units.block_s), stages, bubble_s, step_s)
@@ -296,8 +295,6 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
     solving = stage_solve_options(plan, options)
     try:
         stages = stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index])
-    except PipelineMemoryError:
-        raise
     except MemoryBudgetError as e:  # the split's prices said it fits; the stage's own graph does not
         raise PipelineMemoryError(e.budget_bytes, e.smallest_bytes, len(plan.pipeline.stages), plan.pipeline.blocks,
                                   plan.pipeline.schedule.value) from e

@@ -124,11 +124,10 @@ def split_frontier(frontier: Sequence[Units], send_s: tuple[float, ...], stages:
         prefixes.append(prefix)
 
     def point(i: int, j: int, k: int) -> tuple[float, int]:
-        for p, (units, prefix) in sorted(enumerate(zip(frontier, prefixes)),
-                                         key=lambda e: _seconds(e[1][0], e[1][1], i, j, blocks, send_s)):
-            if bound is None or bound.stage_bytes(units, i, j, k, stages) <= bound.stage_cap_bytes:
-                return _seconds(units, prefix, i, j, blocks, send_s), p
-        return float("inf"), -1
+        fitting = [(_seconds(units, prefix, i, j, blocks, send_s), p)
+                   for p, (units, prefix) in enumerate(zip(frontier, prefixes))
+                   if bound is None or bound.stage_bytes(units, i, j, k, stages) <= bound.stage_cap_bytes]
+        return min(fitting, default=(float("inf"), -1))
     ranges = _min_max_split(blocks, stages, lambda i, j, k: point(i, j, k)[0])
     if ranges is None:
         return None

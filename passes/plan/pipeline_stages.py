@@ -32,12 +32,12 @@ import torch
 from torch import nn
 from torch.distributed import pipelining as pp
 
-from autopar import _compat
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, stage_mesh
 from autopar.core.plan import Plan
 from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
 from autopar.passes.plan.planning import plan_traced, trace_for_planning
+from autopar.passes.trace.trace import cast_floating
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def computing_in(model: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[Cal
         with torch.no_grad():
             for p, data in saved:
                 p.data = data.to(dtype)
-        yield lambda tree: _cast_floating(tree, dtype)
+        yield lambda tree: cast_floating(tree, dtype)
     finally:
         for p, data in saved:
             p.data = data
@@ -115,12 +115,6 @@ def _as_masters(module: nn.Module, model: nn.Module) -> None:
             master = masters.get(name)
             if master is not None and q is not master and q.is_floating_point():
                 q.data = master.detach().clone()
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    leaves, spec = _compat.tree_flatten(tree)
-    return _compat.tree_unflatten([x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                                   for x in leaves], spec)
 
 
 def _without_dtype_asserts(module: nn.Module) -> nn.Module:

@@ -129,12 +129,13 @@ class _TensorLeafCall(nn.Module):
         masters = dict(self.model.named_parameters())
         out_dtype = next((p.dtype for p in masters.values() if p.is_floating_point()), torch.float32)
         copies = {k: p.to(low) if p.is_floating_point() else p for k, p in masters.items()}
-        args, kwargs = _cast_floating((args, kwargs), low)
+        args, kwargs = cast_floating((args, kwargs), low)
         out = torch.func.functional_call(self.model, copies, args, kwargs, tie_weights=True, strict=False)
-        return _cast_floating(out, out_dtype)
+        return cast_floating(out, out_dtype)
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """The floating tensors of a tree in `dtype`, everything else as it is."""
     leaves, spec = _compat.tree_flatten(tree)
     return _compat.tree_unflatten([x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                                    for x in leaves], spec)
