@@ -132,6 +132,38 @@ def test_saved_outputs_are_found_under_a_callers_inference_mode():
     assert under == saved_outputs(again) == {"linear": (True,), "gelu": (True,), "linear_1": (False,)}
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_saved_outputs_by_signature_equal_the_run_in_order(name, param_dtype):
+    """Each distinct op call run once (saved._by_signature) finds what the graph run op by op
+    finds, output for output, in fp32 and bf16 training graphs (views of parameters and
+    inputs, routed experts, multi-output ops), and is what saved_outputs answers."""
+    from autopar.passes.trace import saved
+    model = build(name).train()
+    args, kwargs = inputs(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(model, args, kwargs, param_dtype=param_dtype)
+    in_order = saved._run_in_order(traced)
+    assert any(any(kept) for kept in in_order.values()) and not all(all(kept) for kept in in_order.values())
+    assert saved._by_signature(traced) == in_order == saved_outputs(traced)
+
+
+def test_saved_outputs_fall_back_to_the_run_in_order(monkeypatch):
+    """A call that cannot run alone sends the graph to the op-by-op run, with the same answer."""
+    from autopar.passes.trace import saved
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(model, (torch.randn(4, 8),), {})
+
+    def unmodelled(node, leaves, grad):
+        raise saved._Unmodelled(node.name)
+
+    monkeypatch.setattr(saved, "_run_alone", unmodelled)
+    assert saved._run(traced) == {"linear": (True,), "gelu": (True,), "linear_1": (False,)}
+
+
 @pytest.fixture(scope="module")
 def two_way():
     """Llama and GPT-2 (2 layers) on 2 simulated ranks under budgets that recompute."""
