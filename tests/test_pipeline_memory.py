@@ -120,6 +120,27 @@ def test_auto_takes_a_fitting_pipeline_over_a_plain_plan_that_does_not(gpt2, mon
         _plan(gpt2, 1000, axis="auto")
 
 
+def test_auto_falls_back_to_the_next_candidate_when_a_stage_graph_does_not_fit(gpt2, monkeypatch):
+    """The split's prices said the pipeline fits, a stage's own graph does not: "auto" takes
+    the next candidate (here the plain plan) instead of failing; a fixed axis, which has no
+    other candidate, reports the pipeline's error."""
+    ranked, tried = pipeline.ranked_plans, []
+
+    def pipelines_first(*a):
+        return sorted(ranked(*a), key=lambda plan: plan.pipeline is None)
+
+    def stage_does_not_fit(model, args, kwargs, plan, options_of):
+        tried.append(plan.pipeline.axis)
+        raise MemoryBudgetError(10**6, 2 * 10**6)
+    monkeypatch.setattr(pipeline, "ranked_plans", pipelines_first)
+    monkeypatch.setattr(pipeline, "stage_plans", stage_does_not_fit)
+    chosen = _plan(gpt2, None, axis="auto")
+    assert tried == [0] and chosen.pipeline is None and not chosen.stage_plans
+    with pytest.raises(PipelineMemoryError, match="into 2 pipeline stages") as caught:
+        _plan(gpt2, None, axis=0)
+    assert caught.value.smallest_bytes == 2 * 10**6
+
+
 def test_microbatches_torch_schedules_refuse_are_refused_when_planning(gpt2):
     check_microbatches(Schedule.GPIPE, 1, 4)
     check_microbatches(Schedule.ONE_F_ONE_B, 4, 4)

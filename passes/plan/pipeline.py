@@ -36,7 +36,9 @@
    its activations counted once per microbatch in flight (stage_solve_options): parameters
    stored sharded and gathered at use, blocks recomputed, exactly as a plain plan under a
    budget. The plan's stage steps and its heaviest rank's bytes are then those plans'
-   (with_stage_plans).
+   (with_stage_plans). Under "auto", a pipelined candidate one of whose stage graphs does
+   not fit (its share of the budget, where the split's prices said it would) gives way to
+   the next candidate, cheapest first; a PipelineMemoryError only when none is left.
 """
 
 from __future__ import annotations
@@ -280,51 +282,65 @@ def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
     """autopar.plan with Options.pipeline_axis set: trace at one microbatch (and at the
-    full batch for "auto", whose plain candidate needs it), choose_plan, and for a
-    pipelined plan every stage's own plan (passes/plan/pipeline_stages.py) under its share
-    of the budget, which the plan's figures are then taken from (with_stage_plans)."""
+    full batch for "auto", whose plain candidate needs it), the candidates of
+    ranked_plans, and for a pipelined plan every stage's own plan
+    (passes/plan/pipeline_stages.py) under its share of the budget, which the plan's
+    figures are then taken from (with_stage_plans). Under "auto", a pipelined candidate
+    whose stage graphs do not fit where the split's prices said they would gives way to
+    the next candidate, cheapest first."""
     check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
     micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)
 
     def plain() -> Plan:
         return plan_traced(trace_for_planning(model, args, kwargs, options.param_dtype), mesh, options)[1]
-    plan = choose_plan(micro, mesh, options, plain)
-    if plan.pipeline is None or options.cost_model is CostSource.PROFILE:  # a profile times each stage where it runs
-        return plan
+    refused: list[MemoryBudgetError] = []
+    for plan in ranked_plans(micro, mesh, options, plain):
+        if plan.pipeline is None or options.cost_model is CostSource.PROFILE:  # a profile times each stage where it runs
+            return plan
+        try:
+            return with_stage_plans(plan, stage_plans_within_budget(model, micro_args, micro_kwargs, plan, options),
+                                    options)
+        except PipelineMemoryError as e:
+            refused.append(e)
+    raise min(refused, key=lambda e: e.smallest_bytes)
+
+
+def stage_plans_within_budget(model: torch.nn.Module, micro_args: tuple, micro_kwargs: dict, plan: Plan,
+                              options: Options) -> tuple[Plan, ...]:
+    """Every stage's own plan under its share of the budget; a PipelineMemoryError where one
+    does not fit (the split's prices said it would; the stage's own graph does not)."""
     solving = stage_solve_options(plan, options)
     try:
-        stages = stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index])
-    except MemoryBudgetError as e:  # the split's prices said it fits; the stage's own graph does not
+        return stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index])
+    except MemoryBudgetError as e:
         raise PipelineMemoryError(e.budget_bytes, e.smallest_bytes, len(plan.pipeline.stages), plan.pipeline.blocks,
                                   plan.pipeline.schedule.value) from e
-    return with_stage_plans(plan, stages, options)
 
 
-def choose_plan(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> Plan:
-    """Options.pipeline_axis: an axis (that axis pipelines) or "auto" (step 5). `plain` is
-    a function of no arguments returning the unpipelined plan (solved only for "auto")."""
+def ranked_plans(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> list[Plan]:
+    """Options.pipeline_axis: an axis (that axis pipelines: one candidate) or "auto" (step
+    5: the plain plan and a pipeline on each axis longer than 1, those that fit, cheapest
+    first). `plain` is a function of no arguments returning the unpipelined plan (solved
+    only for "auto"). A MemoryBudgetError where none fits: the one whose plan comes closest."""
     axis = options.pipeline_axis
     solves = SubMeshSolves(micro, options)
     if axis is not PipelineAxis.AUTO:
-        return pipelined_plan(solves, mesh, axis, options)
-    best, refused = None, []  # under a budget, a pipeline that fits beats a plain plan that does not
+        return [pipelined_plan(solves, mesh, axis, options)]
+    fits, refused = [], []  # under a budget, a pipeline that fits beats a plain plan that does not
     try:
-        best = plain()
+        fits.append(plain())
     except MemoryBudgetError as e:
         refused.append(e)
     for a, size in enumerate(mesh.shape):
         if size == 1:
             continue
         try:
-            candidate = pipelined_plan(solves, mesh, a, options)
+            fits.append(pipelined_plan(solves, mesh, a, options))
         except MemoryBudgetError as e:
             refused.append(e)
-            continue
         except PipelineError:
             continue  # more stages than blocks on this axis: not a candidate
-        if best is None or candidate.total_s < best.total_s:
-            best = candidate
-    if best is None:  # nothing fits: the error whose plan comes closest
+    if not fits:  # nothing fits: the error whose plan comes closest
         raise min(refused, key=lambda e: e.smallest_bytes)
-    return best
+    return sorted(fits, key=lambda plan: plan.total_s)  # stable: the plain plan first on a tie
