@@ -2,7 +2,7 @@
 h100 preset. Planning time is autopar.plan end to end: trace, strategies, ILP build and
 solve, plan read-back (and for a pipeline, the split and every stage's own plan).
 
-    python bench/plan_scaling.py [--repeats 3] [--cluster inner|all|off] [--skip-70b] [--skip-405b]
+    python bench/plan_scaling.py [--repeats 3] [--cluster inner|all|off] [--skip-70b] [--skip-405b] [--skip-dsv3]
 
 1. The GPT-2 small shape at 12, 24 and 48 layers and the Llama-3-8B shape (32 layers,
    hidden 4096, 32/8 heads, vocab 128256) on mesh (2, 4), batch 8 x 512: the median of
@@ -12,7 +12,10 @@ solve, plan read-back (and for a pipeline, the split and every stage's own plan)
    (4, 8) over 4 nodes, pipeline_axis="auto", 8 microbatches (goal under 15 s); the
    Llama-3.1-405B shape (126 layers, hidden 16384, FFN 53248, 128/8 heads) on (8, 8, 8)
    over 64 nodes, batch 16 x 8192, pipeline axis 0, 16 microbatches under 1F1B, bf16
-   compute, a 70 GiB budget (goal: a plan that fits, under 60 s and 8 GB).
+   compute, a 70 GiB budget (goal: a plan that fits, under 60 s and 8 GB); the
+   DeepSeek-V3 shape (transformers' DeepseekV3Config defaults: 61 layers, hidden 7168,
+   256 routed experts, top-8, MLA) on (32, 8) over 32 nodes, batch 32 x 4096, bf16, 70 GiB
+   (goal under 60 s).
 
 Every shape is planned in a process of its own, so each row's peak memory (the largest
 resident set of that process) is that shape's alone. The last lines give each shape's
@@ -67,12 +70,24 @@ def plan_405b() -> tuple[float, autopar.Plan]:
     return time.perf_counter() - t, plan
 
 
+def plan_dsv3() -> tuple[float, autopar.Plan]:
+    import transformers
+    config = transformers.DeepseekV3Config(use_cache=False, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (32, 4096), device="meta")
+    t = time.perf_counter()
+    plan = autopar.plan(model, (), {"input_ids": ids, "labels": ids}, mesh=(32, 8), device="h100", nodes=32,
+                        param_dtype=torch.bfloat16, memory_budget_bytes=70 * 2**30)
+    return time.perf_counter() - t, plan
+
+
 def _row(job: tuple) -> dict:
     """One shape planned in this (fresh) process: seconds, the plan's figures, peak RSS."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     kind, a = job[0], job[1:]
-    seconds, plan = {"flat": plan_flat, "70b": plan_70b, "405b": plan_405b}[kind](*a)
+    seconds, plan = {"flat": plan_flat, "70b": plan_70b, "405b": plan_405b, "dsv3": plan_dsv3}[kind](*a)
     p, s = plan.pipeline, plan.solver
     return {"seconds": seconds, "step_ms": plan.total_s * 1e3, "memory_gib": plan.memory_bytes / 2**30,
             "variables": s.variables, "constraints": s.constraints, "shared": s.shared_blocks, "status": s.status,
@@ -95,6 +110,7 @@ def main() -> None:
                     help="Options.cluster_layers (default inner; off for contrast)")
     ap.add_argument("--skip-70b", action="store_true", help="leave out the Llama-3-70B (4, 8) pipeline-auto row")
     ap.add_argument("--skip-405b", action="store_true", help="leave out the Llama-3.1-405B (8, 8, 8) row")
+    ap.add_argument("--skip-dsv3", action="store_true", help="leave out the DeepSeek-V3 (32, 8) row")
     args = ap.parse_args()
     print(f"{'shape':<11} {'median s':>9} {'peak GB':>8} {'variables':>10} {'constraints':>11} {'shared':>6} status")
     last: dict[str, tuple[float, float]] = {}
@@ -107,7 +123,8 @@ def main() -> None:
               f"{r['shared']:6d} {r['status']}", flush=True)
     print(f"growth 12->48 layers: {last['GPT-2 48L'][0] / last['GPT-2 12L'][0]:.2f}x (goal <= 4x)")
     big = [("Llama-3-70B (4, 8) pipeline auto", "70b", 15)] * (not args.skip_70b) + \
-          [("Llama-3.1-405B (8, 8, 8) pipeline axis 0, bf16, 70 GiB", "405b", 60)] * (not args.skip_405b)
+          [("Llama-3.1-405B (8, 8, 8) pipeline axis 0, bf16, 70 GiB", "405b", 60)] * (not args.skip_405b) + \
+          [("DeepSeek-V3 (32, 8), bf16, 70 GiB", "dsv3", 60)] * (not args.skip_dsv3)
     for label, kind, goal in big:
         r = in_own_process((kind,))
         last[label] = (r["seconds"], r["peak_gb"])
