@@ -296,8 +296,8 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
         return plan_traced(trace_for_planning(model, args, kwargs, options.param_dtype), mesh, options)[1]
     refused: list[MemoryBudgetError] = []
     for plan in ranked_plans(micro, mesh, options, plain):
-        if plan.pipeline is None or options.cost_model is CostSource.PROFILE:  # a profile times each stage where it runs
-            return plan
+        if plan.pipeline is None or options.cost_model is CostSource.PROFILE:
+            return plan  # a profile times each stage where it runs
         try:
             return with_stage_plans(plan, stage_plans_within_budget(model, micro_args, micro_kwargs, plan, options),
                                     options)
