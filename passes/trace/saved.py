@@ -89,7 +89,7 @@ def _by_signature(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:
     grad: dict[str, list[bool]] = {}
     saved: set[tuple[str, int]] = set()
     answers: dict[Any, _CallAnswer] = {}
-    made: dict[str, list[Optional[tuple[str, int]]]] = {}
+    ops: list[str] = []  # the call_function nodes, in graph order
     with torch.inference_mode(False), _compat.fake_mode(), torch.enable_grad():
         for node in traced.gm.graph.nodes:
             val = node.meta.get("val")
@@ -103,7 +103,7 @@ def _by_signature(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:
                     raise _Unmodelled(node.name)
                 token[node.name] = [token[source.name][index]]
                 grad[node.name] = [grad[source.name][index]]
-                made[node.name] = list(token[node.name])
+                ops.append(node.name)
             elif node.op == "call_function":
                 leaves, key = _call_signature(node, token, grad)
                 if key not in answers:
@@ -112,10 +112,10 @@ def _by_signature(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:
                 tokens = [token[leaf.name][0] for leaf in leaves]
                 outs = [tokens[v] if v is not None else (node.name, i) for i, v in enumerate(a.views)]
                 token[node.name], grad[node.name] = outs, list(a.requires_grad)
-                made[node.name] = outs
+                ops.append(node.name)
                 saved.update(tokens[i] for i in a.saved_inputs)
                 saved.update(outs[i] for i in a.saved_outputs)
-    return _kept(made, saved)
+    return _kept({name: token[name] for name in ops}, saved)
 
 
 def _kept(made: dict[str, list[Any]], saved: set) -> dict[str, tuple[bool, ...]]:
@@ -146,7 +146,7 @@ def _call_signature(node: fx.Node, token: dict, grad: dict) -> tuple[list[fx.Nod
     flat, spec = _compat.tree_flatten(fx.node.map_arg((node.args, node.kwargs), leaf))
     if any(isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat)) for x in flat):
         raise _Unmodelled(node.name)
-    same = tuple(leaves.index(leaf) for leaf in leaves)  # one node given twice stays one tensor
+    same = tuple(leaves.index(a) for a in leaves)  # one node given twice stays one tensor
     return leaves, (node.target, repr(spec), repr(flat), same)
 
 
@@ -179,7 +179,7 @@ def _run_alone(node: fx.Node, leaves: list[fx.Node], grad: dict) -> _CallAnswer:
 def _run_in_order(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:
     kinds = {gi.name: gi.kind for gi in traced.inputs}
     saved: set[int] = set()
-    made: dict[str, list[int]] = {}  # node -> storage of each tensor output
+    made: dict[str, list[Optional[int]]] = {}  # node -> storage of each tensor output (None: not a tensor)
     env: dict[fx.Node, Any] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -197,9 +197,9 @@ def _run_in_order(traced: TracedGraph) -> dict[str, tuple[bool, ...]]:
             if node.op == "call_function":
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
                 env[node] = node.target(*args, **kwargs)
-                made[node.name] = [_storage(t) if isinstance(t, torch.Tensor) else -1
+                made[node.name] = [_storage(t) if isinstance(t, torch.Tensor) else None
                                    for t in _outputs(env[node])]
-    return _kept({name: [s if s != -1 else None for s in storages] for name, storages in made.items()}, saved)
+    return _kept(made, saved)
 
 
 def _fake_like(val: Any, requires_grad: bool) -> Any:
