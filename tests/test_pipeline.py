@@ -103,6 +103,31 @@ def test_auto_keeps_the_cheaper(gpt2_plans):
     assert auto.total_s <= plain.total_s
 
 
+def test_a_hand_plan_holds_its_layouts_inside_each_stage_and_autopar_is_no_slower():
+    # torchtitan's FSDP x TP x PP: fsdp_tp on the sub-mesh (2, 2) of every stage, the split
+    # the same as autopar's own, so autopar's stages (a superset of the layouts) cost no more
+    from autopar.core.errors import HandPlanError
+    warnings.simplefilter("ignore")
+    model, a, kw = build_meta_llama()
+    auto = autopar.plan(model, a, kw, mesh=(2, 2, 2), pipeline_axis=0, microbatches=4, device="h100")
+    hand = autopar.hand_plan(model, a, kw, mesh=(2, 2, 2), style="fsdp_tp", pipeline_axis=0, microbatches=4,
+                             device="h100")
+    assert [(s.first, s.stop) for s in hand.pipeline.stages] == [(s.first, s.stop) for s in auto.pipeline.stages]
+    assert len(hand.stage_plans) == 2 and auto.total_s <= hand.total_s * (1 + 1e-9)
+    layouts = {n.name: str(n) for sp in hand.stage_plans for n in sp.nodes}
+    assert layouts["p_model_layers_1_self_attn_q_proj_weight"].endswith("-> S(0)S(0)")  # fsdp x column
+    assert layouts["p_model_layers_1_self_attn_o_proj_weight"].endswith("-> S(0)S(1)")  # fsdp x row
+    with pytest.raises(HandPlanError, match=r"pipeline_axis='auto' chooses; give the axis number"):
+        autopar.hand_plan(model, a, kw, mesh=(2, 2, 2), style="fsdp_tp", pipeline_axis="auto", microbatches=4)
+    with pytest.raises(HandPlanError, match=r"'fsdp_tp' .* mesh \(2,\) has one axis"):  # the sub-mesh of (2, 2)
+        autopar.hand_plan(model, a, kw, mesh=(2, 2), style="fsdp_tp", pipeline_axis=0, microbatches=4)
+
+
+def build_meta_llama():
+    from autopar.tools.zoo import build as zoo_build
+    return zoo_build("llama-tiny", batch=8, seq=16, training=True, device="meta", num_hidden_layers=2)
+
+
 def test_bad_requests_name_the_value_and_the_fix():
     model, kw = _gpt2(2)
     with pytest.raises(PipelineError, match=r"microbatches=3 does not divide the batch.*pick microbatches"):
@@ -195,14 +220,16 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, schedule: str,
                   microbatches: int = 2, batch: int = 4, layers: int = 2, offline: bool = False,
-                  stage_plans: bool = True, squeeze: float = 0.0, param_dtype: Optional[torch.dtype] = None) -> dict:
+                  stage_plans: bool = True, squeeze: float = 0.0, param_dtype: Optional[torch.dtype] = None,
+                  style: Optional[str] = None) -> dict:
     """This rank's loss and the full gradients of its stage's parameters (gathered over
     the stage's sub-mesh; returned by the sub-mesh's first rank), next to one device's.
     `offline`: the plan made with autopar.plan in rank 0 alone, saved, and run from its
     file on every rank; without its `stage_plans` (as a profiled plan is), each stage
     solves where it runs. `squeeze`: planned on rank 0 under a memory budget of this
     fraction of the unbounded plan's bytes, so stages store parameters sharded and
-    recompute blocks. `param_dtype`: Options.param_dtype (mixed precision)."""
+    recompute blocks. `param_dtype`: Options.param_dtype (mixed precision). `style`: the
+    hand plan of that style inside every stage (autopar.hand_plan), planned on rank 0."""
     import copy
     from autopar.core.mesh import Mesh
     from autopar.runtime.state import gather_full
@@ -223,6 +250,9 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
             bounded = dataclasses.replace(options, memory_budget_bytes=int(free.memory_bytes * squeeze))
             return autopar.plan(model, (), {"input_ids": ids}, mesh=mesh, options=bounded)
         given = _planned_on_rank0(squeezed)
+    if style:
+        given = _planned_on_rank0(lambda: autopar.hand_plan(model, (), {"input_ids": ids}, mesh=mesh, style=style,
+                                                            options=options))
     if offline:
         import os
         import tempfile
@@ -254,7 +284,9 @@ def pipeline_case(rank: int, world: int, family: str, mesh: tuple, axis: int, sc
             "stages": [(s.first, s.stop) for s in pipe.plan.pipeline.stages],
             "split_inputs": sum(r < s.pm.mesh.size for s in pipe.stages.stages for r in s.replicas),
             "solves": pipe.solve_count, "stage_plans": len(pipe.plan.stage_plans),
-            "recomputed": [len(sp.recompute) for sp in pipe.plan.stage_plans]}
+            "recomputed": [len(sp.recompute) for sp in pipe.plan.stage_plans],
+            "layouts": {name: "".join(map(str, spec.placements)) for s in pipe.stages.stages
+                        for name, spec in s.pm.state_specs.items()}}
 
 
 def _check_pipeline(results: list, case: int) -> None:
@@ -437,6 +469,21 @@ def test_stages_lean_under_a_budget_and_still_match_one_device():
     _check_pipeline(results, 0)
     recomputed = results[0][0]["recomputed"]
     assert recomputed[0] > recomputed[1] > 0, recomputed
+
+
+@pytest.mark.slow
+def test_a_hand_plan_inside_the_stages_runs_and_matches_one_device():
+    """4 gloo ranks: GPT-2 with 4 layers on (2, 2) pipelining axis 0 under 1F1B, each
+    stage laid out as the fsdp hand plan on its 2 ranks (every parameter whose first dim
+    divides stored split along it, gathered where used): the stages hold those layouts,
+    the losses and every gradient are one device's."""
+    from tests.harness import run_ranks
+    results = run_ranks(4, [(pipeline_case, dict(family="gpt2", mesh=(2, 2), axis=0, schedule="1f1b", layers=4,
+                                                 style="fsdp"))])
+    _check_pipeline(results, 0)
+    layouts = results[0][0]["layouts"]
+    assert layouts["transformer.h.0.mlp.c_fc.weight"] == "S(0)", layouts
+    assert layouts["transformer.h.0.ln_1.weight"] == "S(0)", layouts
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def test_auto_falls_back_to_the_next_candidate_when_a_stage_graph_does_not_fit(g
     def pipelines_first(*a):
         return sorted(ranked(*a), key=lambda plan: plan.pipeline is None)
 
-    def stage_does_not_fit(model, args, kwargs, plan, options_of):
+    def stage_does_not_fit(model, args, kwargs, plan, options_of, pins_of=None):
         tried.append(plan.pipeline.axis)
         raise MemoryBudgetError(10**6, 2 * 10**6)
     monkeypatch.setattr(pipeline, "ranked_plans", pipelines_first)

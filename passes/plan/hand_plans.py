@@ -50,9 +50,12 @@ from torch import nn
 
 from autopar.core.errors import HandPlanError
 from autopar.core.mesh import Mesh
+from autopar.core.options import Options
+from autopar.core.pipeline import PipelineAxis, check_request, stage_mesh
 from autopar.core.placement import Placement, R, Shard, Spec, TensorMeta, canonical
 from autopar.core.routed import ROUTED_EXPERTS
-from autopar.passes.plan.planning import options_with, plan_traced, trace_for_planning
+from autopar.passes.plan import pipeline
+from autopar.passes.plan.planning import options_with, plan_traced, planning_inputs, trace_for_planning
 from autopar.passes.strategies.strategies import OpInput, OpOutput
 
 aten = torch.ops.aten
@@ -326,10 +329,24 @@ def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str)
 
 
 def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any,
-              style: str = "megatron", **option_overrides: Any):
-    """The best complete Plan whose parameters and inputs are laid out as `style` prescribes."""
+              style: str = "megatron", options: Optional[Options] = None, **option_overrides: Any):
+    """The best complete Plan whose parameters and inputs are laid out as `style` prescribes.
+    With Options.pipeline_axis (an axis number) the style holds inside every stage, on the
+    mesh without that axis (torchtitan's FSDP x TP x PP: mesh (pp, dp, tp), pipeline_axis=0,
+    style "fsdp_tp"); the stage split is the one autopar's own prices choose, so autopar's
+    pipelined plan and this one differ only in the stages' layouts."""
     mesh_ = Mesh.of(mesh)
     if style not in STYLES:  # before tracing: a typo should not cost a trace
         raise HandPlanError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
-    traced = trace_for_planning(model, args, kwargs)
-    return plan_traced(traced, mesh_, options_with(None, option_overrides), hand_pins(model, traced, mesh_.shape, style))[1]
+    opts = options_with(options, option_overrides)
+    if opts.pipeline_axis is None:
+        traced = trace_for_planning(model, args, kwargs, opts.param_dtype)
+        return plan_traced(traced, mesh_, opts, hand_pins(model, traced, mesh_.shape, style))[1]
+    if opts.pipeline_axis is PipelineAxis.AUTO:
+        raise HandPlanError(f"a hand plan pipelines over the axis it is given: pipeline_axis='auto' chooses; give "
+                            f"the axis number (mesh {mesh_.shape})")
+    check_request(mesh_.shape, opts.pipeline_axis, opts.microbatches)
+    sub = stage_mesh(mesh_, opts.pipeline_axis).shape
+    STYLES[style](model, sub)  # a style the sub-mesh cannot take fails before tracing
+    return pipeline.plan_model(model, *planning_inputs(model, args, kwargs), mesh_, opts,
+                               lambda traced: hand_pins(model, traced, sub, style))

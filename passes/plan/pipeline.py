@@ -44,7 +44,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ from autopar.cost_models.devices import memory_budget, preset
 from autopar.cost_models.model import CostModel
 from autopar.passes.plan.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
                                          split_frontier, split_stages)
-from autopar.passes.plan.pipeline_stages import stage_options, stage_plans
+from autopar.passes.plan.pipeline_stages import Pins, stage_options, stage_plans
 from autopar.passes.plan.pipeline_units import lean_frontier, stage_costs, units_of
 from autopar.passes.plan.planning import plan_annotated, plan_traced, trace_for_planning
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
@@ -280,14 +280,16 @@ def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> 
                    state_bytes=state, activation_bytes=acts, solver=_pipeline_report(plan.solver, step_s))
 
 
-def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:
+def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
+               pins_of: Optional[Pins] = None) -> Plan:
     """autopar.plan with Options.pipeline_axis set: trace at one microbatch (and at the
     full batch for "auto", whose plain candidate needs it), the candidates of
     ranked_plans, and for a pipelined plan every stage's own plan
     (passes/plan/pipeline_stages.py) under its share of the budget, which the plan's
     figures are then taken from (with_stage_plans). Under "auto", a pipelined candidate
     whose stage graphs do not fit where the split's prices said they would gives way to
-    the next candidate, cheapest first."""
+    the next candidate, cheapest first. `pins_of`: a hand plan's layouts in each stage
+    (passes/plan/hand_plans.py); the split is still the one autopar's prices choose."""
     check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
     micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)
@@ -299,20 +301,20 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
         if plan.pipeline is None or options.cost_model is CostSource.PROFILE:
             return plan  # a profile times each stage where it runs
         try:
-            return with_stage_plans(plan, stage_plans_within_budget(model, micro_args, micro_kwargs, plan, options),
-                                    options)
+            return with_stage_plans(plan, stage_plans_within_budget(model, micro_args, micro_kwargs, plan, options,
+                                                                    pins_of), options)
         except PipelineMemoryError as e:
             refused.append(e)
     raise min(refused, key=lambda e: e.smallest_bytes)
 
 
 def stage_plans_within_budget(model: torch.nn.Module, micro_args: tuple, micro_kwargs: dict, plan: Plan,
-                              options: Options) -> tuple[Plan, ...]:
+                              options: Options, pins_of: Optional[Pins] = None) -> tuple[Plan, ...]:
     """Every stage's own plan under its share of the budget; a PipelineMemoryError where one
     does not fit (the split's prices said it would; the stage's own graph does not)."""
     solving = stage_solve_options(plan, options)
     try:
-        return stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index])
+        return stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index], pins_of)
     except MemoryBudgetError as e:
         raise PipelineMemoryError(e.budget_bytes, e.smallest_bytes, len(plan.pipeline.stages), plan.pipeline.blocks,
                                   plan.pipeline.schedule.value) from e

@@ -37,7 +37,9 @@ from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, 
 from autopar.core.plan import Plan
 from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
 from autopar.passes.plan.planning import plan_traced, trace_for_planning
-from autopar.passes.trace.trace import cast_floating
+from autopar.passes.trace.trace import TracedGraph, cast_floating
+
+Pins = Callable[[TracedGraph], dict]  # a stage's traced graph -> plan_traced's `pinned`
 
 
 @dataclass(frozen=True)
@@ -155,10 +157,11 @@ def own_inputs(split: StageSplit, index: int, args: tuple) -> tuple:
 
 
 def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
-                options_of: Callable[[Stage], Options]) -> tuple[Plan, ...]:
+                options_of: Callable[[Stage], Options], pins_of: Optional[Pins] = None) -> tuple[Plan, ...]:
     """Step 4: every stage's plan on the sub-mesh, in stage order, each solved with
     options_of(stage) (passes/plan/pipeline.py stage_solve_options: its budget and the
-    microbatches in flight)."""
+    microbatches in flight). `pins_of`: the layouts a hand plan fixes in a stage's traced
+    graph (passes/plan/hand_plans.py hand_pins; None: autopar chooses them all)."""
     p = plan.pipeline
     split = split_stages(model, mb_args, mb_kwargs, p, plan.training, options_of(p.stages[0]).param_dtype)
     sub = stage_mesh(plan.mesh, p.axis)
@@ -168,7 +171,7 @@ def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
         args, kwargs = stage_inputs(split, stage.index, mb_args, mb_kwargs)
         traced = trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
                                     options.param_dtype)
-        out.append(plan_traced(traced, sub, options)[1])
+        out.append(plan_traced(traced, sub, options, pins_of(traced) if pins_of else None)[1])
     return tuple(out)
 
 
