@@ -108,7 +108,7 @@ def test_a_hand_plan_holds_its_layouts_inside_each_stage_and_autopar_is_no_slowe
     # the same as autopar's own, so autopar's stages (a superset of the layouts) cost no more
     from autopar.core.errors import HandPlanError
     warnings.simplefilter("ignore")
-    model, a, kw = build_meta_llama()
+    model, a, kw = _meta_llama()
     auto = autopar.plan(model, a, kw, mesh=(2, 2, 2), pipeline_axis=0, microbatches=4, device="h100")
     hand = autopar.hand_plan(model, a, kw, mesh=(2, 2, 2), style="fsdp_tp", pipeline_axis=0, microbatches=4,
                              device="h100")
@@ -119,11 +119,12 @@ def test_a_hand_plan_holds_its_layouts_inside_each_stage_and_autopar_is_no_slowe
     assert layouts["p_model_layers_1_self_attn_o_proj_weight"].endswith("-> S(0)S(1)")  # fsdp x row
     with pytest.raises(HandPlanError, match=r"pipeline_axis='auto' chooses; give the axis number"):
         autopar.hand_plan(model, a, kw, mesh=(2, 2, 2), style="fsdp_tp", pipeline_axis="auto", microbatches=4)
-    with pytest.raises(HandPlanError, match=r"'fsdp_tp' .* mesh \(2,\) has one axis"):  # the sub-mesh of (2, 2)
+    stages = r"inside the pipeline stages, on mesh \(2, 2\) without pipeline axis 0: "
+    with pytest.raises(HandPlanError, match=stages + r".*'fsdp_tp' .* mesh \(2,\) has one axis"):
         autopar.hand_plan(model, a, kw, mesh=(2, 2), style="fsdp_tp", pipeline_axis=0, microbatches=4)
 
 
-def build_meta_llama():
+def _meta_llama():
     from autopar.tools.zoo import build as zoo_build
     return zoo_build("llama-tiny", batch=8, seq=16, training=True, device="meta", num_hidden_layers=2)
 

@@ -318,7 +318,12 @@ def hand_pins(model: nn.Module, traced, mesh_shape: tuple[int, ...], style: str)
     `pinned` argument of autopar.passes.plan.planning.plan_traced)."""
     if style not in STYLES:
         raise HandPlanError(f"unknown hand-plan style {style!r}; choose one of {sorted(STYLES)}")
-    layout = STYLES[style](model, mesh_shape)
+    return layout_pins(STYLES[style](model, mesh_shape), traced, mesh_shape, style)
+
+
+def layout_pins(layout: HandLayout, traced, mesh_shape: tuple[int, ...], style: str) -> dict:
+    """hand_pins of a layout already made: a pipelined hand plan makes its style's layout
+    once and pins every stage's traced graph with it."""
     if not layout.seq_axes:
         return {**layout.params, **input_pins(traced, mesh_shape, layout.batch_axes),
                 **(expert_pins(traced, mesh_shape, layout) if layout.expert_axes else {})}
@@ -347,6 +352,10 @@ def hand_plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None,
                             f"the axis number (mesh {mesh_.shape})")
     check_request(mesh_.shape, opts.pipeline_axis, opts.microbatches)
     sub = stage_mesh(mesh_, opts.pipeline_axis).shape
-    STYLES[style](model, sub)  # a style the sub-mesh cannot take fails before tracing
+    try:  # before tracing: a style the stages' sub-mesh cannot take
+        layout = STYLES[style](model, sub)
+    except HandPlanError as e:
+        raise HandPlanError(f"inside the pipeline stages, on mesh {mesh_.shape} without pipeline axis "
+                            f"{opts.pipeline_axis}: {e}") from None
     return pipeline.plan_model(model, *planning_inputs(model, args, kwargs), mesh_, opts,
-                               lambda traced: hand_pins(model, traced, sub, style))
+                               lambda traced: layout_pins(layout, traced, sub, style))
