@@ -17,7 +17,7 @@ import torch
 from autopar.core.placement import R, Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step, Unreachable, reshard_moves, reshard_steps, split_axes
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import NO_SHARE, Share, hidden_s
+from autopar.cost_models.overlap import NO_SHARE, Share, amortised_s, hidden_s
 
 INF = float("inf")  # the cost of an unreachable reshard (and, in passes/solve/ilp.py, of an impossible choice)
 
@@ -55,7 +55,7 @@ class EdgePricer:
         self._steps: dict[tuple[int, DstKey], Optional[tuple[Step, ...]]] = {}
         self._cost: dict[tuple[int, DstKey], float] = {}
         self._moves: dict[tuple, Optional[tuple[Step, ...]]] = {}  # (layouts, ndim, grad-sync axes) -> moves
-        self._hideable: dict[tuple[int, DstKey, Share], float] = {}
+        self._unpaid: dict[tuple[int, DstKey, Share], float] = {}
         self._step_s: dict[tuple, float] = {}  # (kind, backward, axis, local bytes, differentiable) -> seconds
         self._tables: dict[tuple, torch.Tensor] = {}  # (src classes, dst classes, share) -> R over them
 
@@ -115,22 +115,26 @@ class EdgePricer:
             total += step_s
         return total
 
-    def hidden_between(self, src: int, dst: DstKey, share: Share) -> float:
-        """What of the reshard hides were it a parameter's edge with `share`
-        (cost_models/overlap.py hidden_s); 0 for an unreachable pair."""
+    def unpaid_between(self, src: int, dst: DstKey, share: Share) -> float:
+        """What of the reshard a step does not pay were it a parameter's edge with `share`
+        (cost_models/overlap.py): the part a reduction once per several backwards saves
+        (amortised_s) and what hides (hidden_s); 0 for an unreachable pair."""
         key = (src, dst, share)
-        h = self._hideable.get(key)
+        h = self._unpaid.get(key)
         if h is None:
-            h = self._hideable[key] = hidden_s(self.steps_between(src, dst) or (), self.costs, share)
+            steps = self.steps_between(src, dst) or ()
+            h = self._unpaid[key] = amortised_s(steps, self.costs, share.sync_every) + hidden_s(steps, self.costs,
+                                                                                               share)
         return h
 
     def price_between(self, src: int, dst: DstKey, share: Share = NO_SHARE) -> float:
-        """R less what hides of it: a parameter edge with `share` of its bucket's stretch
-        and of its prefetch window (cost_models/overlap.py) pays R - hidden."""
+        """R less what the step does not pay of it: a parameter edge with `share` of its
+        bucket's stretch and of its prefetch window (cost_models/overlap.py) pays R - hidden,
+        and under a reduction once per n backwards its bucket's part only 1/n times."""
         cost = self.cost_between(src, dst)
         if not share or cost == INF:
             return cost
-        return cost - self.hidden_between(src, dst, share)
+        return cost - self.unpaid_between(src, dst, share)
 
     def price_table(self, src: Sequence[int], dst: Sequence[DstKey], share: Share = NO_SHARE) -> torch.Tensor:
         """price_between over every src class (rows) and dst class (columns), float64

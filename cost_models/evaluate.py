@@ -21,11 +21,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from autopar.core.kinds import NodeKind
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan, NodeChoice, RecomputedBlock
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import plan_hidden_s
+from autopar.cost_models.overlap import amortised_s, plan_hidden_s
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,14 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
             compute_s, op_comm_s = compute_s + cost.compute_s, op_comm_s + cost.comm_s
         memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes,
                              n.saved)
-    comm_s = op_comm_s + sum(costs.steps_cost(e.steps).total_s for e in plan.edges)
+    every = plan.grad_sync_every  # parameter edges pay 1/n of a bucket's reduction (overlap.amortised_s)
+    params = {n.name for n in plan.nodes if n.kind is NodeKind.PARAMETER} if every > 1 else set()
+    comm_s = op_comm_s + sum(costs.steps_cost(e.steps).total_s
+                             - (amortised_s(e.steps, costs, every) if e.producer in params else 0.0)
+                             for e in plan.edges)
     again = recompute_terms(plan.nodes, plan.edges, plan.recompute, costs)
     hidden = plan_hidden_s(plan.nodes, plan.edges, costs, least_backward_s(plan.nodes, costs),
-                           least_forward_s(plan.nodes, costs)) if costs.training \
+                           least_forward_s(plan.nodes, costs), every) if costs.training \
         else 0.0
     return Evaluation(compute_s + again.compute_s, comm_s + again.comm_s, memory + again.memory_bytes, hidden)
 

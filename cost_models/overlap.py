@@ -63,6 +63,11 @@ are credited at most the window's compute.
 Bucket membership is read off the graph, not the plan: parameters in reverse program
 order, BUCKET_BYTES of their global bytes per bucket (the runtime fills buckets with
 local bytes: with sharded parameters this counts fewer, larger buckets, less overlap).
+Reduced once per n backwards (Options.grad_sync_every = n: a pipeline stage reduces its
+buckets after the last of its n microbatches), a bucket's reduction H costs each backward
+H / n (amortised_s: the rest is taken off the edge's communication), and that part is
+what hides under its stretch: min(H / n, share_e).
+
 Not modelled: the in-flight cap (it may retire a prefetched gather early) and
 activation collectives overlapping independent compute (priced blocking).
 """
@@ -107,9 +112,11 @@ class Share:
     bucket_s: float = 0.0
     window_forward_s: float = 0.0
     window_backward_s: float = 0.0
+    sync_every: int = 1  # backwards per bucket reduction (Options.grad_sync_every): each pays 1/n of it
 
     def __bool__(self) -> bool:
-        return self.bucket_s > 0.0 or self.window_forward_s > 0.0 or self.window_backward_s > 0.0
+        return self.bucket_s > 0.0 or self.window_forward_s > 0.0 or self.window_backward_s > 0.0 \
+            or self.sync_every > 1
 
 
 NO_SHARE = Share()
@@ -130,12 +137,22 @@ def prefetch_hideable_s(steps: Sequence[Step], costs: CostModel) -> tuple[float,
 
 
 def hidden_s(steps: Sequence[Step], costs: CostModel, share: Share) -> float:
-    """What of an edge's reshard hides: its bucket's credit and its prefetch's."""
+    """What of an edge's reshard hides: its bucket's credit (on the part of the reduction
+    each backward pays, amortised_s) and its prefetch's."""
     if not share:
         return 0.0
     forward, backward = prefetch_hideable_s(steps, costs)
-    return (credit_s(hideable_s(steps, costs), share.bucket_s) + credit_s(forward, share.window_forward_s)
-            + credit_s(backward, share.window_backward_s))
+    return (credit_s(hideable_s(steps, costs) / share.sync_every, share.bucket_s)
+            + credit_s(forward, share.window_forward_s) + credit_s(backward, share.window_backward_s))
+
+
+def amortised_s(steps: Sequence[Step], costs: CostModel, sync_every: int) -> float:
+    """Of a parameter edge's price, what each backward does not pay where the bucket
+    reduces once per `sync_every` backwards (a pipeline stage's microbatches): the
+    reduction H it carries, less H / sync_every."""
+    if sync_every <= 1:
+        return 0.0
+    return hideable_s(steps, costs) * (1.0 - 1.0 / sync_every)
 
 
 def hideable_s(steps: Sequence[Step], costs: CostModel) -> float:
@@ -221,11 +238,11 @@ def window_shares(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse], l
 
 
 def edge_share_table(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse], least_forward_s: Sequence[float],
-                     least_backward_s: Sequence[float]) -> dict[Hashable, Share]:
+                     least_backward_s: Sequence[float], sync_every: int = 1) -> dict[Hashable, Share]:
     """Share per parameter edge: its bucket's (edge_shares) and its window's (window_shares)."""
     buckets = edge_shares(params, uses, least_backward_s)
     windows = window_shares(params, uses, least_forward_s, least_backward_s)
-    return {e: Share(buckets[e], *windows[e]) for e in buckets}
+    return {e: Share(buckets[e], *windows[e], sync_every) for e in buckets}
 
 
 def credit_s(hideable: float, share: float) -> float:
@@ -234,16 +251,17 @@ def credit_s(hideable: float, share: float) -> float:
 
 
 def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_backward_s: Sequence[float],
-                  least_forward_s: Sequence[float]) -> float:
+                  least_forward_s: Sequence[float], sync_every: int = 1) -> float:
     """Seconds of comm_s hidden under compute, for a plan's nodes (NodeChoice, in program
     order) and edges (EdgePlan); `least_backward_s`, `least_forward_s`: per node, the
-    least backward and forward seconds of its strategies (evaluate.least_backward_s)."""
+    least backward and forward seconds of its strategies (evaluate.least_backward_s);
+    `sync_every`: Options.grad_sync_every."""
     if not costs.training:
         return 0.0
     params = [(n.name, global_nbytes(n.outputs[0].meta)) for n in nodes if n.kind is NodeKind.PARAMETER]
     position = {n.name: i for i, n in enumerate(nodes)}
     uses = parameter_uses(params, position, [(e.producer, e.consumer, e.position) for e in edges])
-    shares = edge_share_table(params, uses, least_forward_s, least_backward_s)
+    shares = edge_share_table(params, uses, least_forward_s, least_backward_s, sync_every)
     return sum(hidden_s(e.steps, costs, shares[(e.consumer, e.position)])
                for e in edges if (e.consumer, e.position) in shares)
 

@@ -446,6 +446,27 @@ def bucketed_data_parallel(rank: int, world: int) -> dict:
             "same_buffers": [x is not None and x is y for x, y in zip(*buffers)]}
 
 
+def deferred_data_parallel(rank: int, world: int) -> dict:
+    """Options.grad_sync_every=2 on a data-parallel plan: each rank's gradients after every
+    one of four backwards (with the reductions run so far) next to one device's
+    accumulated gradients."""
+    import copy
+    m = models.build("mlp", widths=(64, 256, 64, 256, 64)).train()
+    ref = copy.deepcopy(m)
+    xs = [torch.randn(8192, 64, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(m, (xs[0],), mesh=(world, 1), options=autopar.Options(grad_sync_every=2))
+    after = []
+    for x in xs:
+        (pm(x) ** 2).mean().backward()
+        (ref(x) ** 2).mean().backward()
+        after.append(({k: p.grad.clone() for k, p in pm.shards.named_parameters()},
+                      {k: p.grad.clone() for k, p in ref.named_parameters()}, pm.current.buckets.reductions))
+    return {"after": after, "replicated": all(s.is_replicated() for s in pm.state_specs.values()),
+            "deferred": len(pm.current.program.deferred_grad_syncs)}
+
+
 def forced_plan(model, args: tuple, mesh: tuple, op: str, keep, more: "dict | None" = None):
     """The best plan in which every `op` node runs a strategy `keep(strategy)` accepts (and
     every node of each op in `more` one its own test accepts): a way to run a strategy

@@ -68,14 +68,14 @@ class SummedMLP(MLP):
         return super().forward(x).sum()
 
 
-def _dp_mlp_plan(batch: int, device: "str | DeviceSpec" = "cpu"):
+def _dp_mlp_plan(batch: int, device: "str | DeviceSpec" = "cpu", grad_sync_every: int = 1):
     # three 2048 x 2048 fp32 weights (16 MiB each, no bias): buckets [w2], [w1], [w0]
     with torch.device("meta"):
         model = SummedMLP((2048, 2048, 2048, 2048), bias=False).train()
         x = torch.randn(batch, 2048)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.plan(model, (x,), mesh=(4,), training=True, device=device)
+        return autopar.plan(model, (x,), mesh=(4,), training=True, device=device, grad_sync_every=grad_sync_every)
 
 
 def test_data_parallel_buckets_hide_under_backward_except_the_first_layers():
@@ -114,6 +114,27 @@ def test_a_comm_bound_step_hides_only_the_backward_after_the_first_launch():
     backward = sum(n.compute_s * (2 / 3 if "linear" in n.op else 1 / 2) for n in after)
     assert ev.hidden_s == pytest.approx(backward, rel=1e-9)
     assert ev.total_s == pytest.approx(ev.compute_s + ev.comm_s - backward, rel=1e-12)
+
+
+def test_a_reduction_once_per_four_backwards_prices_each_a_quarter_of_it():
+    # Options.grad_sync_every=4, a pipeline stage with 4 microbatches: each backward pays a
+    # quarter of each bucket's all-reduce, and that quarter is what may hide; the plan,
+    # its file and evaluate() agree
+    each = _dp_mlp_plan(65536, device=SLOW_LINK)
+    quarter = _dp_mlp_plan(65536, device=SLOW_LINK, grad_sync_every=4)
+    assert all(str(n.outputs[0]) == "R" for n in quarter.nodes if n.kind.is_state), quarter.placements()
+    one = comm.all_reduce_s(16 * MIB, 4, quarter.links[0].link)
+    synced = [e for e in quarter.edges if e.steps and all(s.kind.value == "grad_sync" for s in e.steps)]
+    assert len(synced) == 3 and all(e.comm_s == pytest.approx(one / 4, rel=1e-9) for e in synced)
+    assert quarter.comm_s == pytest.approx(each.comm_s - 3 * one * 3 / 4, rel=1e-9)
+    assert quarter.hidden_s <= 2 * one / 4 + 1e-12 and quarter.total_s < each.total_s
+    assert quarter.grad_sync_every == 4 and "once per 4 backwards" in quarter.summary()
+    again = autopar.Plan.from_dict(quarter.to_dict())
+    assert again.grad_sync_every == 4
+    ev = evaluate(again, cost_model=CostModel.analytic(SLOW_LINK, (4,), training=True))
+    assert (ev.comm_s, ev.hidden_s, ev.total_s) == pytest.approx((quarter.comm_s, quarter.hidden_s, quarter.total_s),
+                                                                 rel=1e-12)
+    assert quarter.solver.objective_s == pytest.approx(quarter.total_s, rel=1e-6)
 
 
 def test_inference_hides_nothing():

@@ -165,6 +165,25 @@ def test_meta_model_loads_only_its_shards(tmp_path):
         torch.testing.assert_close(res["out"], expected)
 
 
+@pytest.mark.slow
+def test_gradients_reduced_once_per_two_backwards_with_grad_sync_every():
+    """Options.grad_sync_every=2 (what a pipeline stage runs with, its microbatches' count):
+    after the first backward each rank holds only its own part (the ranks differ); the
+    second reduces the sum of both, equal on every rank to one device's accumulated
+    gradient; the next two add their reduction to it."""
+    results = run_ranks(4, [(cases.deferred_data_parallel, dict())])
+    for rank, (res,) in enumerate(results):
+        assert res["replicated"] and res["deferred"] == 8, (res["replicated"], res["deferred"])
+        assert [reductions for _, _, reductions in res["after"]] == [0, 1, 1, 2]
+        for i in (1, 3):
+            got, want, _ = res["after"][i]
+            for name, g in got.items():
+                torch.testing.assert_close(g, want[name], msg=lambda m: f"rank {rank}, backward {i + 1}, {name}: {m}")
+                assert torch.equal(g, results[0][0]["after"][i][0][name]), f"rank {rank}'s {name} differs from rank 0's"
+    firsts = [res["after"][0][0] for (res,) in results]
+    assert any(not torch.equal(firsts[0][n], firsts[1][n]) for n in firsts[0]), "the first backward was reduced"
+
+
 def test_data_parallel_gradients_are_bucketed_and_accumulate():
     results = run_ranks(4, [(cases.bucketed_data_parallel, dict())])
     for rank, (res,) in enumerate(results):

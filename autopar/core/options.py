@@ -114,6 +114,12 @@ class Options:
     # activation this many times. The pipeline planner sets it for each stage's plan (all
     # microbatches under GPipe, at most the stages from this one on under 1F1B); 1 otherwise
     activations_in_flight: int = 1
+    # backward passes whose data-parallel gradients one bucketed all-reduce reduces
+    # (autopar/runtime/buckets.py): until the n-th, each rank sums its own gradients, and the
+    # n-th reduces the sum (DDP's no_sync for n - 1 backwards). The pipeline sets each
+    # stage's to its microbatches (one reduction per step, as torch's pipelining does with
+    # DDP); the solver prices those reductions once per n backwards. 1 otherwise
+    grad_sync_every: int = 1
     # collectives start as early as their input exists and are waited on just before
     # their result is used, with independent compute between (passes/lower/schedule.py); their
     # backward conjugates likewise. False: every step runs whole where the rewrite put it
@@ -198,7 +204,8 @@ class Options:
                                 "number, 'auto' (the planner decides) or None")
 
     def _check_numbers(self) -> None:
-        for name, low in (("optimizer_state_bytes", 0), ("max_inflight_bytes", 1), ("activations_in_flight", 1)):
+        for name, low in (("optimizer_state_bytes", 0), ("max_inflight_bytes", 1), ("activations_in_flight", 1),
+                          ("grad_sync_every", 1)):
             if not _is_int(getattr(self, name), low):
                 raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not an int >= {low}")
         if self.memory_budget_bytes not in (None, MEMORY_AUTO) and not _is_int(self.memory_budget_bytes, 1):
@@ -265,6 +272,7 @@ class PlanningOptions:
     memory_budget_bytes: "int | str | None"
     optimizer_state_bytes: int
     activations_in_flight: int
+    grad_sync_every: int
     param_dtype: Optional[torch.dtype]
     dynamic: Optional[Dynamic]
     pipeline_axis: "int | PipelineAxis | None"

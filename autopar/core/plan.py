@@ -50,6 +50,9 @@ class Plan:
     links: tuple[AxisLink, ...] = ()  # per mesh axis: the link its collectives were priced with, and its kind
     # of comm_s, the seconds that run under compute (gradient buckets under backward: cost_models/overlap.py)
     hidden_s: float = 0.0
+    # backwards per data-parallel gradient reduction (Options.grad_sync_every: a pipeline
+    # stage's microbatches); comm_s counts each backward's 1/n of it (cost_models/overlap.py)
+    grad_sync_every: int = 1
     # a pipelined plan: each stage's plan, in stage order (passes/plan/pipeline_stages.py); empty
     # when the stages are planned where they run (a profiled cost model times them there)
     stage_plans: tuple["Plan", ...] = ()
@@ -114,6 +117,9 @@ class Plan:
         ]
         if self.recompute:
             lines.append(f"  recomputed in backward: {', '.join(b.name for b in self.recompute)}")
+        if self.grad_sync_every > 1:
+            lines.append(f"  data-parallel gradients all-reduced once per {self.grad_sync_every} backwards (a pipeline "
+                         f"stage's microbatches); each backward priced 1/{self.grad_sync_every} of it")
         if self.cost_note:
             lines.append(f"  costs: {self.cost_note}")
         if self.pipeline is not None:

@@ -13,7 +13,8 @@ Schema version 1 (keys of the top-level object):
     mesh              [axis sizes]
     training          whether backward work was planned for
     device            cost-model preset or profile name
-    predicted         {compute_s, comm_s, hidden_s, param_bytes, activation_bytes, state_bytes, memory_bytes}: per rank
+    predicted         {compute_s, comm_s, hidden_s, grad_sync_every, param_bytes, activation_bytes, state_bytes,
+                      memory_bytes}: per rank
     solver            {solver, status, objective_s, gap, solve_time_s, variables, constraints, groups,
                        shared_blocks (absent in older files: 0), bound_s, start (the plan the
                        solver started from; absent in older files: "")}
@@ -137,6 +138,7 @@ def _plan_dict(plan: Any) -> dict:
         "mesh": list(plan.mesh.shape), "training": plan.training, "device": plan.device,
         "predicted": {"compute_s": plan.compute_s, "comm_s": plan.comm_s,
                       "hidden_s": getattr(plan, "hidden_s", 0.0), "param_bytes": plan.param_bytes,
+                      "grad_sync_every": getattr(plan, "grad_sync_every", 1),
                       "activation_bytes": plan.activation_bytes, "state_bytes": plan.state_bytes,
                       "memory_bytes": plan.memory_bytes},
         "solver": asdict(plan.solver),
@@ -171,7 +173,7 @@ def plan_fields(d: Any, source: str = "<dict>") -> dict:
             edges=tuple(EdgePlan(e["producer"], e["index"], e["consumer"], e["position"],
                                  tuple(map(_step_from_json, e["steps"])), float(e["comm_s"])) for e in d["edges"]),
             compute_s=float(p["compute_s"]), comm_s=float(p["comm_s"]), hidden_s=float(p.get("hidden_s", 0.0)),
-            param_bytes=int(p["param_bytes"]),
+            param_bytes=int(p["param_bytes"]), grad_sync_every=int(p.get("grad_sync_every", 1)),
             activation_bytes=int(p["activation_bytes"]), solver=SolverReport(**d["solver"]),
             recompute=tuple(RecomputedBlock(b["name"], tuple(b["nodes"])) for b in d.get("recompute", ())),
             unruled_ops=tuple(d.get("unruled_ops", ())), state_bytes=int(p.get("state_bytes", 0)),

@@ -317,7 +317,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
         deferred = program.deferred_grad_syncs
         targets = {gi.name: gi.target for gi in traced.inputs}
         buckets = GradBuckets([(targets[n], self.state_tensors[targets[n]], axes) for n, axes in deferred], self.comms,
-                              opts.reduce_dtype)
+                              opts.reduce_dtype, self.options.grad_sync_every)
         run = compiled_program(program.gm, self.device, opts.compile_options) if opts.compile else program.gm
         return Compiled(traced, plan, program, buckets, run)
 

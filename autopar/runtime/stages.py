@@ -19,7 +19,10 @@
    A plan without stage plans (a profiled cost model, which times each stage where it
    runs) has the sub-mesh solve. Stage outputs are full tensors, so the next stage's
    ranks each receive the whole activation from their counterpart.
-4. Gradients sent back: autopar gives each rank the exact gradient of its own block of
+4. Each stage runs with Options.grad_sync_every = its microbatches (pipeline_stages.
+   stage_options): its data-parallel gradient buckets sum the microbatches' gradients and
+   all-reduce once per step, after the last backward (autopar/runtime/buckets.py).
+   Gradients sent back: autopar gives each rank the exact gradient of its own block of
    an input (grad-sync steps complete replicated ones), so the full input gradient is the
    sum over the sub-mesh of the zero-padded blocks, divided by the number of ranks
    holding each block (_FullInputGrad); every rank then sends the same full gradient.
@@ -282,6 +285,9 @@ class PipelineStages:
         first = self.plan.pipeline.stages[0].rank == self.mesh.coords(dist.get_rank())[self.plan.pipeline.axis]
         if not first:  # torch hands the inputs to every stage this rank runs: only the first takes them
             args, kwargs = (), {}
+        for stage in self.stages:  # each stage reduces its gradients after its last microbatch's backward
+            for program in stage.pm.programs:
+                program.buckets.restart()
         self.schedule.step(*args, target=target, losses=losses, **kwargs)
         sync_tied_grads(self.tied, [s.pm for s in self.stages], self.pipe_group)
         if not self._holds_last():

@@ -156,13 +156,13 @@ def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
     the link kind (intra- or inter-node) it has in the whole mesh on Options.nodes nodes
     (the smallest such count; one node if none does). The sub-mesh plan is solved without
     the memory budget: it covers the whole graph, more than any one stage holds; the budget
-    bounds the stage split (_fitting_split) and each stage's own plan (stage_solve_options)."""
+    bounds the stage split (_fitting_split) and each stage's own plan (stage_solve_options).
+    Its data-parallel gradients are priced once per step, as the stages reduce them."""
     sub = stage_mesh(mesh, axis)
     want = tuple(k for a, k in enumerate(mesh.link_kinds(options.nodes)) if a != axis) or sub.link_kinds(1)
-    for nodes in range(1, sub.size + 1):
-        if sub.size % nodes == 0 and sub.link_kinds(nodes) == want:
-            return replace(options, nodes=nodes, memory_budget_bytes=None)
-    return replace(options, nodes=1, memory_budget_bytes=None)
+    fits = [n for n in range(1, sub.size + 1) if sub.size % n == 0 and sub.link_kinds(n) == want]
+    return replace(options, nodes=fits[0] if fits else 1, memory_budget_bytes=None,
+                   grad_sync_every=options.microbatches)
 
 
 def pipelined_plan(solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:

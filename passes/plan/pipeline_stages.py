@@ -176,8 +176,10 @@ def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
 
 
 def stage_options(options: Options) -> Options:
-    """The options one stage is planned and run with: nothing more to pipeline."""
-    return replace(options, pipeline_axis=None, microbatches=1)
+    """The options one stage is planned and run with, from the pipeline's: nothing more to
+    pipeline, and its data-parallel gradients reduced once per step (after the last of its
+    microbatches' backwards: Options.grad_sync_every)."""
+    return replace(options, pipeline_axis=None, microbatches=1, grad_sync_every=options.microbatches)
 
 
 class _StageInputs(torch.fx.Interpreter):

@@ -7,9 +7,11 @@ so that the solver minimises the step evaluate() prices.
                constant of the graph), split over the bucket's parameters by bytes and
                evenly over p's uses; and its prefetch window's least forward and
                backward seconds F, B, split over the parameters used at v by bytes
-    R'[e,o,r]  = R[e,o,r] - min(H[e,o,r], share[e]) - min(Hf[e,o,r], F[e]) - min(Hb[e,o,r], B[e])
-               H: the reduction the bucket carries; Hf, Hb: the first step's two
-               directions where the schedule prefetches it on a GPU preset
+    R'[e,o,r]  = R[e,o,r] - (1 - 1/n) H[e,o,r] - min(H[e,o,r] / n, share[e])
+                 - min(Hf[e,o,r], F[e]) - min(Hb[e,o,r], B[e])
+               H: the reduction the bucket carries, n: backwards per reduction
+               (Options.grad_sync_every); Hf, Hb: the first step's two directions where
+               the schedule prefetches it on a GPU preset
 
 R' replaces R on every parameter edge (inside a group too), so the ILP keeps its rows
 and columns: min() of a price and a constant is one more price. Dominance pruning
@@ -39,12 +41,13 @@ def least_forward(graph: AnnotatedGraph, forward_s: Mapping[str, Sequence[float]
     return [min(forward_s[n.name], default=0.0) if n.call is not None else 0.0 for n in graph.nodes]
 
 
-def parameter_shares(graph: AnnotatedGraph, least: Sequence[float], least_fwd: Sequence[float]
-                     ) -> dict[tuple[str, int], Share]:
+def parameter_shares(graph: AnnotatedGraph, least: Sequence[float], least_fwd: Sequence[float],
+                     sync_every: int = 1) -> dict[tuple[str, int], Share]:
     """(consumer, position) -> share[e] for every parameter edge of a training graph;
-    `least`, `least_fwd`: least_backward and least_forward of its nodes."""
+    `least`, `least_fwd`: least_backward and least_forward of its nodes; `sync_every`:
+    Options.grad_sync_every (each backward pays 1/n of a bucket's reduction)."""
     params = [(n.name, global_nbytes(n.strategies[0].outputs[0].meta)) for n in graph.nodes
               if n.kind is NodeKind.PARAMETER and n.strategies]
     position = {n.name: i for i, n in enumerate(graph.nodes)}
     edges = [(u, v.name, pos) for v in graph.nodes for pos, (u, _) in enumerate(v.inputs)]
-    return edge_share_table(params, parameter_uses(params, position, edges), least_fwd, least)
+    return edge_share_table(params, parameter_uses(params, position, edges), least_fwd, least, sync_every)

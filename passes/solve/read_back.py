@@ -12,7 +12,7 @@ from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, Recompute
 from autopar.core.routed import ROUTED_EXPERTS
 from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import plan_hidden_s
+from autopar.cost_models.overlap import amortised_s, plan_hidden_s
 from autopar.passes.rules import Strategy
 from autopar.passes.solve.ilp import EdgePricer, Member
 from autopar.passes.solve.prices import kept_outputs, node_costs
@@ -47,17 +47,16 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
               costs: CostModel, report: SolverReport, memory: dict[str, list[int]],
               compute: Optional[dict[str, list[float]]] = None, recompute: tuple[RecomputedBlock, ...] = (),
               least: Optional[Sequence[float]] = None, least_fwd: Optional[Sequence[float]] = None,
-              in_flight: int = 1) -> Plan:
+              in_flight: int = 1, sync_every: int = 1) -> Plan:
     """`compute`: node_costs(graph, costs), when the caller has it; `recompute`: the
     blocks recomputed in backward (their forward again, their inner bytes not kept);
     `least`: in training, the ILP's least backward per node (ilp_overlap.least_backward),
     which the plan's hidden seconds are counted from as the objective counted them;
-    `in_flight`: Options.activations_in_flight, which `memory` counts activations with."""
+    `in_flight`: Options.activations_in_flight, which `memory` counts activations with;
+    `sync_every`: Options.grad_sync_every, parameter edges paying 1/n of a bucket's
+    reduction (cost_models/overlap.py amortised_s)."""
     compute = compute or node_costs(graph, costs)
-    chosen: dict[str, Strategy] = {}
-    for n in graph.nodes:
-        m = groups[n.name]
-        chosen[n.name] = n.strategies[m.index_map[picks[m.leader]]]
+    chosen = {n.name: n.strategies[groups[n.name].index_map[picks[groups[n.name].leader]]] for n in graph.nodes}
     nodes, edges = [], []
     compute_total = comm_total = 0.0
     param_bytes = act_bytes = state_bytes = 0
@@ -67,6 +66,7 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
         for pos, (u, k) in enumerate(n.inputs):
             consumers.setdefault(u, []).append((n, pos, k))
     kept = kept_outputs(graph, costs)
+    kinds = {n.name: n.kind for n in graph.nodes}
     priced_options: dict[tuple, tuple[Alternative, ...]] = {}
     for n in graph.nodes:
         s = chosen[n.name]
@@ -88,14 +88,17 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
         for pos, (u, k) in enumerate(n.inputs):
             steps = pricer.steps(chosen[u].outputs[k], s, pos)
             assert steps is not None, f"solver picked an unreachable reshard {u} -> {n.name}"
-            comm = costs.steps_cost(steps).total_s
+            comm = costs.steps_cost(steps).total_s - (amortised_s(steps, costs, sync_every)
+                                                      if kinds[u] is NodeKind.PARAMETER else 0.0)
             comm_total += comm
             edges.append(EdgePlan(u, k, n.name, pos, steps, comm))
     again = recompute_terms(nodes, edges, recompute, costs)
-    hidden = plan_hidden_s(nodes, edges, costs, least, least_fwd or [0.0] * len(nodes)) if least is not None else 0.0
+    hidden = plan_hidden_s(nodes, edges, costs, least, least_fwd or [0.0] * len(nodes), sync_every) \
+        if least is not None else 0.0
     return Plan(mesh=graph.mesh, model_name=graph.traced.model_name, fingerprint=graph.traced.fingerprint,
                 training=costs.training, device=costs.device.name, nodes=tuple(nodes), edges=tuple(edges),
                 compute_s=compute_total + again.compute_s, comm_s=comm_total + again.comm_s, param_bytes=param_bytes,
                 activation_bytes=act_bytes + again.memory_bytes * in_flight, solver=report,
                 unruled_ops=graph.unruled_ops, state_bytes=state_bytes, discovered_ops=graph.discovered_ops,
-                recompute=recompute, hidden_s=hidden, routing_notes=routing_notes(graph.traced.gm))
+                recompute=recompute, hidden_s=hidden, routing_notes=routing_notes(graph.traced.gm),
+                grad_sync_every=sync_every)

@@ -191,7 +191,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     # between two parameter uses: each parameter edge's shares of them (ilp_overlap.py)
     least = least_backward(graph, compute, forward_s) if costs.training else None
     least_fwd = least_forward(graph, forward_s)
-    shares = parameter_shares(graph, least, least_fwd) if least is not None else {}
+    shares = parameter_shares(graph, least, least_fwd, options.grad_sync_every) if least is not None else {}
     model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep, shares)
     forward = None
     if lean and costs.training:  # recompute can pay: the blocks and their terms
@@ -223,7 +223,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
                           _started(start, sum(model.owner(g) == g for g in started), ilp.variables.groups, name))
     plan = read_plan(graph, groups, picks, pricer, costs, report, memory, compute,
                      () if stopped else _recomputed(model, ilp, solution), least, least_fwd,
-                     options.activations_in_flight)
+                     options.activations_in_flight, options.grad_sync_every)
     if stopped is None:
         return plan
     if budget is not None and plan.memory_bytes > budget:
