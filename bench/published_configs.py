@@ -39,7 +39,8 @@ import torch  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
 from autopar.passes.plan.hand_plans import hand_pins, hand_plan  # noqa: E402
-from autopar.passes.plan.planning import plan as autopar_plan, plan_traced, trace_for_planning  # noqa: E402
+from autopar.api import plan as autopar_plan  # noqa: E402
+from autopar.passes.plan.planning import plan_traced, trace_for_planning  # noqa: E402
 from autopar.tools.zoo import build  # noqa: E402
 
 SEQ = 8192

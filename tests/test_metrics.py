@@ -63,7 +63,7 @@ def test_a_step_is_timed_from_one_call_to_the_next(one_rank_group):
 def test_model_flops_of_an_mlp_are_its_matmuls_and_elementwise_ops():
     # widths 16 -> 64 -> 16 -> 64 -> 16 at batch 32: four addmm of 2*B*in*out each, three
     # relus of B*out elements; training adds two matmuls per matmul and one pass per relu
-    from autopar.passes.plan.planning import plan
+    from autopar import plan
     model = MLP().train()
     x = torch.randn(32, 16)
     p = plan(model, (x,), mesh=(1,), device="cpu")

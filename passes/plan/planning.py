@@ -133,14 +133,6 @@ def axis_links(costs: CostModel, kinds: tuple[LinkKind, ...]) -> tuple[AxisLink,
                  for axis, kind in enumerate(kinds))
 
 
-def plan(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, mesh: Any = (1,),
-         options: Optional[Options] = None, **option_overrides: Any) -> Plan:
-    """Plan `model` for `mesh` offline (no process group): the Plan autopar.compile
-    would run. Keyword overrides go to Options (e.g. device="h100", training=True)."""
-    opts = options_with(options, option_overrides)
-    return plan_traced(trace_for_planning(model, args, kwargs, opts.param_dtype), Mesh.of(mesh), opts)[1]
-
-
 def trace_for_planning(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None,
                        param_dtype: Optional[torch.dtype] = None) -> TracedGraph:
     """Trace with example inputs; a model without weights (meta device) plans on shapes
