@@ -129,7 +129,7 @@ def test_auto_falls_back_to_the_next_candidate_when_a_stage_graph_does_not_fit(g
     def pipelines_first(*a):
         return sorted(ranked(*a), key=lambda plan: plan.pipeline is None)
 
-    def stage_does_not_fit(model, args, kwargs, plan, options_of, pins_of=None):
+    def stage_does_not_fit(model, args, kwargs, plan, options_of, pins_of=None, rank_budget=None):
         tried.append(plan.pipeline.axis)
         raise MemoryBudgetError(10**6, 2 * 10**6)
     monkeypatch.setattr(pipeline, "ranked_plans", pipelines_first)
@@ -209,3 +209,30 @@ def test_a_bf16_split_leaves_the_masters_and_their_tied_copies_exact(gpt2):
         for name, q in module.named_parameters(remove_duplicate=False):
             if name in masters:
                 assert q.dtype == torch.float32 and torch.equal(q, masters[name]), name
+
+
+@pytest.mark.slow
+def test_interleaved_stages_spend_what_their_rank_leaves_of_the_budget(monkeypatch):
+    # GPT-2 with 8 layers in 4 stages on 2 pipeline ranks (interleaved 1F1B: rank 0 holds
+    # stages 0 and 2). Each stage is first solved within half the budget: stage 0, holding
+    # the most microbatches, recomputes both its blocks, while stage 2 leaves bytes unused.
+    # Solved again with them, stage 0 recomputes one block: a faster step, and rank 0
+    # still within the budget
+    from autopar.passes.plan import pipeline_stages
+    warnings.simplefilter("ignore")
+    model, kw = build("gpt2", n_layer=8).train(), inputs("gpt2", batch=4)[1]
+    options = dict(mesh=(2, 1), pipeline_axis=0, microbatches=4, pipeline_schedule="interleaved_1f1b")
+    free = autopar.plan(model, (), kw, **options)
+    budget = int(free.memory_bytes * 0.94)
+    spent = autopar.plan(model, (), kw, memory_budget_bytes=budget, **options)
+    monkeypatch.setattr(pipeline_stages, "spend_slack", lambda plans, *rest: tuple(plans))
+    halves = autopar.plan(model, (), kw, memory_budget_bytes=budget, **options)
+    assert [s.rank for s in spent.pipeline.stages] == [0, 1, 0, 1]
+    assert [len(sp.recompute) for sp in halves.stage_plans][0] == 2
+    assert [len(sp.recompute) for sp in spent.stage_plans][0] == 1
+    for rank in (0, 1):
+        held = sum(sp.memory_bytes for s, sp in zip(spent.pipeline.stages, spent.stage_plans) if s.rank == rank)
+        assert held <= budget, (rank, held, budget)
+    assert spent.memory_bytes <= budget
+    assert all(a.total_s <= b.total_s for a, b in zip(spent.stage_plans, halves.stage_plans))
+    assert spent.total_s < halves.total_s

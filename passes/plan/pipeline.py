@@ -245,7 +245,8 @@ def stage_solve_options(plan: Plan, options: Options) -> tuple[Options, ...]:
     """The options each stage's own plan is solved with: its sub-mesh's node count, its
     activations counted once per microbatch in flight (Options.activations_in_flight),
     and the memory budget: the whole of it where a rank holds one stage, budget / v for
-    each of the v stages of a rank under interleaved 1F1B (sufficient, not necessary).
+    each of the v stages of a rank under interleaved 1F1B (sufficient, not necessary; what
+    they leave is spent afterwards: pipeline_stages.spend_slack).
     Without a bound in bytes, Options.memory_budget_bytes as given."""
     p = plan.pipeline
     sub = _stage_options(options, plan.mesh, p.axis)
@@ -313,8 +314,11 @@ def stage_plans_within_budget(model: torch.nn.Module, micro_args: tuple, micro_k
     """Every stage's own plan under its share of the budget; a PipelineMemoryError where one
     does not fit (the split's prices said it would; the stage's own graph does not)."""
     solving = stage_solve_options(plan, options)
+    budget = _budget(options)
+    interleaved = budget if plan.pipeline.schedule.chunks_per_rank > 1 else None
     try:
-        return stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index], pins_of)
+        return stage_plans(model, micro_args, micro_kwargs, plan, lambda stage: solving[stage.index], pins_of,
+                           interleaved)
     except MemoryBudgetError as e:
         raise PipelineMemoryError(e.budget_bytes, e.smallest_bytes, len(plan.pipeline.stages), plan.pipeline.blocks,
                                   plan.pipeline.schedule.value) from e

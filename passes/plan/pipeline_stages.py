@@ -157,22 +157,58 @@ def own_inputs(split: StageSplit, index: int, args: tuple) -> tuple:
 
 
 def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
-                options_of: Callable[[Stage], Options], pins_of: Optional[Pins] = None) -> tuple[Plan, ...]:
+                options_of: Callable[[Stage], Options], pins_of: Optional[Pins] = None,
+                rank_budget: Optional[int] = None) -> tuple[Plan, ...]:
     """Step 4: every stage's plan on the sub-mesh, in stage order, each solved with
     options_of(stage) (passes/plan/pipeline.py stage_solve_options: its budget and the
     microbatches in flight). `pins_of`: the layouts a hand plan fixes in a stage's traced
-    graph (passes/plan/hand_plans.py hand_pins; None: autopar chooses them all)."""
+    graph (passes/plan/hand_plans.py hand_pins; None: autopar chooses them all).
+    `rank_budget`: the bytes a pipeline rank holding several stages (interleaved) may
+    use; what its stages' plans leave of it goes to those that gave up speed for their
+    share (spend_slack)."""
     p = plan.pipeline
     split = split_stages(model, mb_args, mb_kwargs, p, plan.training, options_of(p.stages[0]).param_dtype)
     sub = stage_mesh(plan.mesh, p.axis)
-    out = []
+    traces, out = [], []
     for stage in p.stages:
         options = options_of(stage)
         args, kwargs = stage_inputs(split, stage.index, mb_args, mb_kwargs)
         traced = trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
                                     options.param_dtype)
+        traces.append(traced)
         out.append(plan_traced(traced, sub, options, pins_of(traced) if pins_of else None)[1])
-    return tuple(out)
+    if rank_budget is None:
+        return tuple(out)
+    return spend_slack(out, p.stages, rank_budget, lambda stage, budget: plan_traced(
+        traces[stage.index], sub, replace(options_of(stage), memory_budget_bytes=budget),
+        pins_of(traces[stage.index]) if pins_of else None)[1])
+
+
+# a stage plan within this fraction of its budget was bound by it (may be faster with more)
+PRESSED = 0.98
+
+
+def spend_slack(plans: list[Plan], stages: tuple[Stage, ...], rank_budget: int,
+                resolve: Callable[[Stage, int], Plan]) -> tuple[Plan, ...]:
+    """A rank's stages, each first solved within an equal share of its budget: where
+    their bytes leave some of it, each stage that recomputes blocks or sits at its share
+    is solved again, in stage order, with its own bytes plus what is left, and keeps the
+    faster plan. The rank's sum never passes its budget; no stage gets slower."""
+    plans = list(plans)
+    for rank in sorted({s.rank for s in stages}):
+        mine = [s for s in stages if s.rank == rank]
+        if len(mine) < 2:
+            continue
+        share = rank_budget // len(mine)
+        for stage in mine:
+            old = plans[stage.index]
+            slack = rank_budget - sum(plans[s.index].memory_bytes for s in mine)
+            if slack <= 0 or not (old.recompute or old.memory_bytes >= PRESSED * share):
+                continue
+            new = resolve(stage, old.memory_bytes + slack)
+            if new.total_s < old.total_s:
+                plans[stage.index] = new
+    return tuple(plans)
 
 
 def stage_options(options: Options) -> Options:
