@@ -51,6 +51,8 @@ def test_a_profile_file_is_its_own_field():
     ("overlap", 1, r"Options.overlap=1 is not a bool"),
     ("training", "yes", "Options.training='yes' is not True, False or None"),
     ("max_inflight_bytes", 0, "Options.max_inflight_bytes=0 is not an int >= 1"),
+    ("grad_sync_every", 0, "Options.grad_sync_every=0 is not an int >= 1"),
+    ("mip_gap", 1.0, r"Options.mip_gap=1.0 is not a fraction in \[0, 1\)"),
     ("pipeline_axis", "first", r"Options.pipeline_axis='first' is not one of \['auto'\] or a mesh axis number"),
 ])
 def test_a_bad_value_is_an_options_error_naming_the_field(field, value, says):

@@ -348,3 +348,25 @@ def test_dominance_reads_exact_differences_where_the_cheap_bound_leaves_a_chance
     met = torch.isfinite(least)
     assert bool((bound[met] >= least[met]).all())
     assert bool((bound < full)[finite].any()), "the probes were every column: the bound was never cheap"
+
+
+def test_the_solver_stops_at_options_mip_gap_and_a_frontier_point_at_its_own(monkeypatch):
+    # Options.mip_gap reaches HiGHS; the pipeline's frontier points (pipeline_units.lean_frontier)
+    # are solved to FRONTIER_GAP, each stage's own plan afterwards to Options.mip_gap
+    from autopar.passes.solve import solver_backend
+    from autopar.passes.plan import pipeline_units
+    from tests.models import build, inputs
+    seen = []
+    run = solver_backend._run_highs
+    monkeypatch.setattr(solver_backend, "_run_highs", lambda p, limit, start=None, gap=1e-4: seen.append(gap) or run(
+        p, limit, start, gap))
+    warnings.simplefilter("ignore")
+    model, kw = build("gpt2", n_layer=2).train(), inputs("gpt2", batch=4)[1]
+    plan = autopar.plan(model, (), kw, mesh=(2,), mip_gap=0.02, solver="highs")
+    assert seen and set(seen) == {0.02} and plan.solver.status == "Optimal"
+    seen.clear()
+    free = autopar.plan(model, (), kw, mesh=(2, 1), pipeline_axis=0, microbatches=2, solver="highs")
+    piped = autopar.plan(model, (), kw, mesh=(2, 1), pipeline_axis=0, microbatches=2, solver="highs",
+                         memory_budget_bytes=free.memory_bytes - 1)
+    assert pipeline_units.FRONTIER_GAP in seen and 1e-4 in seen, seen
+    assert piped.memory_bytes < free.memory_bytes

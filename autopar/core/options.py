@@ -99,6 +99,9 @@ class Options:
     solver: SolverChoice = SolverChoice.AUTO
     # wall-clock limit for the ILP solve; the best plan found so far is used after it
     time_limit_s: float = 120.0
+    # relative gap at which the ILP solve stops: the plan's objective is then within this
+    # fraction of the best the solver can prove (HiGHS's and CBC's mip gap)
+    mip_gap: float = 1e-4
     # seconds before a collective that does not complete raises instead of hanging
     collective_timeout_s: float = 300.0
     # per-rank bound on parameters, gradients, optimiser state and activations (bytes);
@@ -208,6 +211,9 @@ class Options:
                           ("grad_sync_every", 1)):
             if not _is_int(getattr(self, name), low):
                 raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not an int >= {low}")
+        if isinstance(self.mip_gap, bool) or not isinstance(self.mip_gap, (int, float)) or not 0 <= self.mip_gap < 1:
+            raise OptionsError(f"Options.mip_gap={self.mip_gap!r} is not a fraction in [0, 1) (the relative gap "
+                               "at which the solver stops, e.g. 1e-4)")
         if self.memory_budget_bytes not in (None, MEMORY_AUTO) and not _is_int(self.memory_budget_bytes, 1):
             raise OptionsError(f"Options.memory_budget_bytes={self.memory_budget_bytes!r} is not a positive int "
                                f"(bytes per rank), None for no bound, or {MEMORY_AUTO!r} (the detected device's "
@@ -269,6 +275,7 @@ class PlanningOptions:
     discover_rules: bool
     solver: SolverChoice
     time_limit_s: float
+    mip_gap: float
     memory_budget_bytes: "int | str | None"
     optimizer_state_bytes: int
     activations_in_flight: int

@@ -42,6 +42,10 @@ from autopar.core.errors import SolverError
 # memory prices of the frontier's points, in multiples of the fastest plan's seconds per
 # byte (its step / its bytes): at 1 a plan gives up 1 % of its step for 1 % of its bytes
 FRONTIER_PRICES = (1.0, 8.0, 64.0, 1024.0)
+# the relative gap a frontier point is solved to: a sample of the trade-off the stage DP
+# picks from (each stage's own plan is solved afterwards, to Options.mip_gap); the 405B
+# shape's first point ran to its 120 s time limit at a gap of 0.16 %
+FRONTIER_GAP = 0.01
 
 
 def units_of(graph: AnnotatedGraph, plan: Plan, costs: CostModel) -> Units:
@@ -82,6 +86,7 @@ def lean_frontier(graph: AnnotatedGraph, fastest: Plan, options: Options) -> tup
     leanest last; a price whose solve fails is left out."""
     scale = fastest.total_s / max(fastest.memory_bytes, 1)
     costs = stage_costs(options, fastest)
+    options = replace(options, mip_gap=max(options.mip_gap, FRONTIER_GAP))
     out = []
     for factor in FRONTIER_PRICES:
         try:

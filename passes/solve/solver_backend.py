@@ -114,15 +114,15 @@ def solver_name(options: Options) -> str:
 
 
 def solve_program(program: LinearProgram, options: Options, start: Optional[Start] = None) -> Solution:
-    """Solve with the solver Options picks, within Options.time_limit_s. `start`: a first
+    """Solve with the solver Options picks, within Options.time_limit_s, to Options.mip_gap. `start`: a first
     solution, (columns, values), the solver completing the columns not given
     (passes/solve/warm_start.py); HiGHS only (CBC starts from nothing)."""
     name = solver_name(options)
     t0 = time.perf_counter()
     if name == "highs":
-        status, values, objective, gap, bound = _run_highs(program, options.time_limit_s, start)
+        status, values, objective, gap, bound = _run_highs(program, options.time_limit_s, start, options.mip_gap)
     else:
-        status, values, objective, gap, bound = _run_cbc(program, options.time_limit_s)
+        status, values, objective, gap, bound = _run_cbc(program, options.time_limit_s, options.mip_gap)
     return Solution(status, values, objective, gap, time.perf_counter() - t0, bound)
 
 
@@ -144,9 +144,10 @@ EXTRA_HIGHS_OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "threads": 1
 Outcome = tuple[SolveStatus, tuple[float, ...], float, Optional[float], Optional[float]]  # + gap, bound
 
 
-def _run_highs(p: LinearProgram, time_limit_s: float, start: Optional[Start] = None) -> Outcome:
+def _run_highs(p: LinearProgram, time_limit_s: float, start: Optional[Start] = None, gap: float = 1e-4) -> Outcome:
     h = _quiet_highs()
     h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", float(gap))
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(p.cost), p.num_rows
     lp.col_cost_, lp.col_lower_, lp.col_upper_ = np.array(p.cost), np.array(p.lower), np.array(p.upper)
@@ -210,7 +211,7 @@ def _quiet_highs():
     return h
 
 
-def _run_cbc(p: LinearProgram, time_limit_s: float) -> Outcome:
+def _run_cbc(p: LinearProgram, time_limit_s: float, gap: float = 1e-4) -> Outcome:
     """The fallback: the same program through PuLP's bundled CBC."""
     import pulp
     prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
@@ -226,7 +227,7 @@ def _run_cbc(p: LinearProgram, time_limit_s: float) -> Outcome:
                       (pulp.LpConstraintLE, up) if lo == -float("inf") else (pulp.LpConstraintGE, lo))
         prob.addConstraint(pulp.LpConstraint(expr, sense, rhs=rhs), f"r{r}")
     prob += pulp.LpAffineExpression({cols[j]: c for j, c in enumerate(p.cost) if c}, constant=p.constant)
-    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1))
+    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, gapRel=gap))
     text = pulp.LpStatus[prob.status]
     status = {"Optimal": SolveStatus.OPTIMAL, "Infeasible": SolveStatus.INFEASIBLE}.get(text, SolveStatus.NOT_SOLVED)
     values = tuple((c.value() or 0.0) for c in cols)
