@@ -32,6 +32,7 @@ alone, so every process reaches the same graph, fingerprint and plan digest.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import re
 from typing import Iterable
 
@@ -93,16 +94,30 @@ def _append_loose(loose: list[fx.Node], digests: dict[fx.Node, str], placed: set
     """Append the nodes the output does not depend on, each once its inputs are placed,
     the ready one with the least (content hash, positions of its inputs) first: two
     nodes that compute the same thing on different values are told apart by where
-    those values stand in the canonical order."""
+    those values stand in the canonical order. A node's key is fixed once it is ready
+    (its inputs are placed), so the ready ones wait in a heap; equal keys go in their
+    graph order."""
     position = {n: i for i, n in enumerate(order)}
-    waiting = list(loose)
-    while waiting:
-        ready = [n for n in waiting if all(i in placed for i in n.all_input_nodes)]
-        node = min(ready, key=lambda n: (digests[n], tuple(position[i] for i in n.all_input_nodes)))
-        waiting.remove(node)
+    index = {n: k for k, n in enumerate(loose)}
+    unplaced = {n: sum(i not in placed for i in n.all_input_nodes) for n in loose}
+    ready: list = []
+
+    def push(n: fx.Node) -> None:
+        heapq.heappush(ready, (digests[n], tuple(position[i] for i in n.all_input_nodes), index[n]))
+
+    for n in loose:
+        if not unplaced[n]:
+            push(n)
+    while ready:
+        node = loose[heapq.heappop(ready)[2]]
         placed.add(node)
         position[node] = len(order)
         order.append(node)
+        for user in node.users:
+            if user in unplaced and user not in placed:
+                unplaced[user] -= 1
+                if not unplaced[user]:
+                    push(user)
 
 
 def _content_digests(nodes: list[fx.Node]) -> dict[fx.Node, str]:
