@@ -45,7 +45,8 @@ _NUMBERED = re.compile(r"^(.*?)(_\d+)?$")
 
 
 def canonicalise(gm: fx.GraphModule) -> None:
-    """Reorder and rename `gm`'s nodes into the canonical form, in place."""
+    """Reorder and rename `gm`'s graph into the canonical form, in place; the caller
+    regenerates its code (gm.recompile()) once its passes are done."""
     graph = gm.graph
     # 0. dead values
     graph.eliminate_dead_code()
@@ -68,7 +69,6 @@ def canonicalise(gm: fx.GraphModule) -> None:
     # 4. names
     _compat.rename_nodes(graph, {n: _NUMBERED.match(n.name).group(1) or n.op for n in order
                                  if n.op not in ("placeholder", "output")})
-    gm.recompile()
 
 
 def _post_order(roots: Iterable[fx.Node], placed: set, order: list) -> None:

@@ -248,7 +248,8 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     sync_batch_norms(ep.graph_module)
     inputs = _rename_placeholders(ep.graph_module, inputs)
     canonicalise(ep.graph_module)
-    collapse_routed_experts(ep.graph_module)  # after canonicalise: its bodies' names are canonical too
+    if not collapse_routed_experts(ep.graph_module):  # after canonicalise: its bodies' names are canonical too
+        ep.graph_module.recompile()  # (a collapse regenerates the code itself)
     renamed = {gi.target: gi.name for gi in inputs if gi.kind is NodeKind.BUFFER}
     return TracedGraph(
         gm=ep.graph_module,
