@@ -26,12 +26,18 @@ import warnings
 from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from pipeline_speed import lm_loss, timed  # noqa: E402
+import importlib.util  # noqa: E402
+
+# the loss and the slowest-rank step timer of the sibling bench (a file beside this one, not a package)
+_spec = importlib.util.spec_from_file_location("pipeline_speed", os.path.join(os.path.dirname(__file__),
+                                                                              "pipeline_speed.py"))
+_sibling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_sibling)
+lm_loss, timed = _sibling.lm_loss, _sibling.timed
 
 WORLD, MESH = 8, (4, 2)
 
