@@ -41,14 +41,12 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
 
 
 def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Profile] = None,
-                   coarse: Optional[Plan] = None, memory_price: float = 0.0,
-                   start: Optional[StartingLayouts] = None) -> Plan:
+                   coarse: Optional[Plan] = None, memory_price: float = 0.0) -> Plan:
     """The solve for a graph whose strategies are known (the profiler times those
     strategies' ops first, so it annotates once and plans from the same graph). On a
     mesh of three axes or more the solver starts from the plan of the mesh with two of
     them merged (passes/solve/warm_start.py): `coarse` when it is that plan, else one
-    solved here first. `memory_price`: seconds per byte (passes/solve/solve.py solve).
-    `start`: layouts to start from instead (a plan of this graph on this mesh)."""
+    solved here first. `memory_price`: seconds per byte (passes/solve/solve.py solve)."""
     traced, mesh = graph.traced, graph.mesh
     training = traced.training if options.training is None else options.training
     costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
@@ -64,7 +62,7 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                         measured_links=profile.links(mesh.shape, mesh.link_kinds(options.nodes)),
                         compute_scale=profile.cpu_contention * in_program,
                         collective_sync_s=profile.collective_sync_s or 0.0)
-    plan = solve(graph, costs, options, start or _warm_start(graph, options, coarse), memory_price)
+    plan = solve(graph, costs, options, _warm_start(graph, options, coarse), memory_price)
     if profile is not None:
         measured_links = sorted({f"axis {a} {k}" for a, k in costs.measured_links})
         shipped = f", the profile autopar ships: {os.path.basename(source)}" \
