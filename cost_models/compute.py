@@ -35,11 +35,14 @@ def sdpa_flops(inputs: tuple[TensorMeta, ...]) -> float:
     return 4.0 * b * h * l * s * e
 
 
-def flops(target: Any, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> float:
+def flops(target: Any, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...],
+          score_share: float = 1.0) -> float:
+    """`score_share`: of an attention's query-key pairs, the share its kernel computes
+    (cost_models/attention.py)."""
     if target in MATMULS:
         return matmul_flops(inputs, outputs, target)
     if target == aten.scaled_dot_product_attention.default:
-        return sdpa_flops(inputs)
+        return sdpa_flops(inputs) * score_share
     if target in VIEWS:
         return 0.0
     return float(sum(prod(o.shape) for o in outputs))
@@ -52,11 +55,11 @@ def bytes_moved(target: Any, inputs: tuple[TensorMeta, ...], outputs: tuple[Tens
 
 
 def compute_s(device: DeviceSpec, target: Any, inputs: tuple[TensorMeta, ...],
-              outputs: tuple[TensorMeta, ...]) -> float:
+              outputs: tuple[TensorMeta, ...], score_share: float = 1.0) -> float:
     if target in VIEWS:
         return 0.0
     dtype = (inputs or outputs)[0].dtype
-    f = flops(target, inputs, outputs) / device.flops_per_s(dtype)
+    f = flops(target, inputs, outputs, score_share) / device.flops_per_s(dtype)
     b = bytes_moved(target, inputs, outputs) / device.mem_bw_bytes_per_s
     return max(f, b) + device.op_overhead_s
 

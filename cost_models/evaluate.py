@@ -72,7 +72,7 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
         target = None
         if n.kind.computes:
             target = op_target(n.op, n.name)
-            cost = costs.op_cost(target, n.inputs, n.outputs)
+            cost = costs.op_cost(target, n.inputs, n.outputs, n.causal)
             compute_s, op_comm_s = compute_s + cost.compute_s, op_comm_s + cost.comm_s
         memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes,
                              n.saved)
@@ -92,19 +92,19 @@ def least_forward_s(nodes: Sequence[NodeChoice], costs: CostModel) -> list[float
     """Per node, the least forward seconds among the strategies it could take: the
     compute a prefetched parameter gather surely hides under (cost_models/overlap.py)."""
     forward = replace(costs, training=False)
-    return _least_over_options(nodes, lambda target, i, o: forward.op_cost(target, i, o).total_s)
+    return _least_over_options(nodes, lambda target, i, o, causal: forward.op_cost(target, i, o, causal).total_s)
 
 
 def least_backward_s(nodes: Sequence[NodeChoice], costs: CostModel) -> list[float]:
     """Per node, the least backward seconds among the strategies it could take: the
     compute a gradient bucket surely hides under (cost_models/overlap.py, 1.)."""
     forward = replace(costs, training=False)
-    return _least_over_options(nodes, lambda target, i, o: costs.op_cost(target, i, o).total_s
-                               - forward.op_cost(target, i, o).total_s)
+    return _least_over_options(nodes, lambda target, i, o, causal: costs.op_cost(target, i, o, causal).total_s
+                               - forward.op_cost(target, i, o, causal).total_s)
 
 
 def _least_over_options(nodes: Sequence[NodeChoice], seconds: Any) -> list[float]:
-    """Per node, the least `seconds(target, inputs, outputs)` over its options (the chosen
+    """Per node, the least `seconds(target, inputs, outputs, causal)` over its options (the chosen
     layout where a plan lists none); 0 for nodes that compute nothing."""
     out = []
     for n in nodes:
@@ -113,7 +113,7 @@ def _least_over_options(nodes: Sequence[NodeChoice], seconds: Any) -> list[float
             continue
         target = op_target(n.op, n.name)
         layouts = [(a.inputs, a.outputs) for a in n.options] or [(n.inputs, n.outputs)]
-        out.append(min(seconds(target, i, o) for i, o in layouts))
+        out.append(min(seconds(target, i, o, n.causal) for i, o in layouts))
     return out
 
 
@@ -144,7 +144,7 @@ def recompute_terms(nodes: Sequence[NodeChoice], edges: Sequence[EdgePlan], bloc
             n = by_name[name]
             target = op_target(n.op, name) if n.kind.computes else None
             if target is not None:
-                compute_s += forward.op_cost(target, n.inputs, n.outputs).compute_s
+                compute_s += forward.op_cost(target, n.inputs, n.outputs, n.causal).compute_s
             if name not in read_outside:
                 dropped += node_bytes(n.kind, target, n.outputs, costs.mesh_shape, costs.training, 0, n.saved)
         comm_s += sum(forward.steps_cost(e.steps).total_s for e in edges if e.consumer in inside)

@@ -11,12 +11,17 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Callable, Optional
 
+import torch
+
 from autopar.core.kinds import StepKind
 from autopar.core.placement import Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step
 from autopar.core.routed import ROUTED_EXPERTS
 from autopar.cost_models import comm, compute
+from autopar.cost_models.attention import CausalScores, causal_scores, swaps_s
 from autopar.cost_models.devices import DeviceSpec, Link, preset
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 # (target, local inputs, local outputs) -> forward seconds, or None when not measured
 ComputeTable = Callable[[Any, tuple, tuple], Optional[float]]
@@ -71,22 +76,30 @@ class CostModel:
         return TensorMeta(spec.local_shape(self.mesh_shape), spec.meta.dtype)
 
     # ---- compute -------------------------------------------------------------
-    def op_cost(self, target: Any, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> Cost:
+    def op_cost(self, target: Any, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...], causal: bool = False
+                ) -> Cost:
+        """`causal`: the op is sdpa with is_causal (cost_models/attention.py prices the
+        pairs its kernel skips and the balanced form's swaps)."""
         if target is ROUTED_EXPERTS:
             return self.routed_experts_cost(inputs, outputs)
         li = tuple(self.local(s) for s in inputs)
         lo = tuple(self.local(s) for s in outputs)
+        scores = causal_scores(inputs, self.mesh_shape) if causal and target is SDPA else CausalScores(1.0)
+        # a measured time is the local call's: the masked form where the balanced one runs
+        measured_share = scores.share if scores.axis is not None else 1.0
         fwd = None
         if self.compute_table is not None:
             fwd = self.compute_table(target, li, lo)
+            fwd = None if fwd is None else fwd * measured_share
         if fwd is None:
-            fwd = compute.compute_s(self.device, target, li, lo)
+            fwd = compute.compute_s(self.device, target, li, lo, scores.share)
         bwd = 0.0
         if self.training:
             bwd = self.backward_table(target, li, lo) if self.backward_table is not None else None
-            if bwd is None:
-                bwd = fwd * compute.backward_factor(target, lo)
-        return Cost(compute_s=(fwd + bwd) * self.compute_scale)
+            bwd = fwd * compute.backward_factor(target, lo) if bwd is None else bwd * measured_share
+        comm_s = 0.0 if scores.axis is None else \
+            swaps_s(inputs, outputs, self.mesh_shape, self.link(scores.axis), self.training, self.collective_sync_s)
+        return Cost(compute_s=(fwd + bwd) * self.compute_scale, comm_s=comm_s)
 
     def routed_experts_cost(self, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...]) -> Cost:
         """routed_experts (autopar/core/routed.py, inputs: ids, row sources, experts) with

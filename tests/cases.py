@@ -82,10 +82,18 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
             "collectives": [str(c) for c in plan.collectives()], "placements": plan.placements(),
             "shared_blocks": plan.solver.shared_blocks,
             "attention": [str(n.outputs[0]) for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"],
+            "balanced": _balanced_attention(pm),
             "experts": [str(n.inputs[-1]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
             "routed_rows": [str(n.inputs[0]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
             "recomputed": [n for b in plan.recompute for n in b.nodes],
             "mesh": plan.mesh.shape, "mesh_candidates": [c.shape for c in plan.mesh_candidates]}
+
+
+def _balanced_attention(pm) -> int:
+    """How many attentions this rank's program runs balanced with a mirror rank."""
+    from autopar.passes.lower.program import CausalRowsModule
+    program = pm.current.program.gm if pm.current is not None else None
+    return sum(isinstance(m, CausalRowsModule) for m in program.modules()) if program is not None else 0
 
 
 def _planned_on_rank0(make):

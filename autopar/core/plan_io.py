@@ -101,7 +101,8 @@ def _node_to_json(n: NodeChoice) -> dict:
             "compute_s": n.compute_s, "alternatives": n.alternatives,
             "options": [{"inputs": [str(s) for s in a.inputs], "outputs": [str(s) for s in a.outputs],
                          "compute_s": a.compute_s, "reshard_in_s": a.reshard_in_s, "reshard_out_s": a.reshard_out_s}
-                        for a in n.options], **({"saved": list(n.saved)} if n.saved else {})}
+                        for a in n.options], **({"saved": list(n.saved)} if n.saved else {}),
+            **({"causal": True} if n.causal else {})}
 
 
 def _node_kind(n: dict) -> NodeKind:
@@ -118,7 +119,8 @@ def _node_from_json(n: dict) -> NodeChoice:
     op = "placeholder" if kind.is_input else n["op"]
     return NodeChoice(n["name"], op, tuple(map(spec_from_json, n["inputs"])), tuple(map(spec_from_json, n["outputs"])),
                       float(n["compute_s"]), int(n["alternatives"]), n.get("module", ""), _options(n),
-                      n.get("group", ""), kind, tuple(bool(k) for k in n.get("saved", ())))
+                      n.get("group", ""), kind, tuple(bool(k) for k in n.get("saved", ())),
+                      bool(n.get("causal", False)))
 
 
 def plan_to_dict(plan: Any) -> dict:

@@ -52,6 +52,7 @@ class NodeChoice:
     group: str = ""  # the decision group's leader (a follower moves with it)
     kind: NodeKind = NodeKind.OP  # graph input (which kind), getitem, output, or an op
     saved: tuple[bool, ...] = ()  # training: per output, whether backward keeps it (empty: all counted)
+    causal: bool = False  # sdpa with is_causal (priced by cost_models/attention.py)
 
     def __str__(self) -> str:
         return f"{self.name}: {strategy_label(self.inputs, self.outputs)}"

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from autopar.core.kinds import StepKind
 from autopar.core.placement import chunk_sizes, largest_block, split_blocks
@@ -273,3 +274,28 @@ def all_to_all(x: torch.Tensor, dim: int, to_dim: int, comm: AxisComm, size: Opt
     """x is split along `dim` (of global `size`, where the blocks may be uneven) across the
     axis; return it split along `to_dim` instead."""
     return move(Move(StepKind.ALL_TO_ALL, dim, to_dim, size=size, to_size=x.shape[to_dim]), x, comm)
+
+
+def exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
+    """Rows in_splits[i] of x go to rank i of the axis; out_splits[i] rows come from it."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    before_collective()
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=comm.group)
+    return out
+
+
+class _RowsAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
+        ctx.splits, ctx.comm = (out_splits, in_splits), comm
+        return exchange_rows(x, out_splits, in_splits, comm)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return exchange_rows(g, in_splits, out_splits, ctx.comm), None, None, None
+
+
+def rows_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
+    """exchange_rows as autograd sees it: the backward sends the gradients back the other way."""
+    return _RowsAllToAll.apply(x, out_splits, in_splits, comm)

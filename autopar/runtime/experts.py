@@ -19,30 +19,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from autopar.core.routed import run_sorted
-from autopar.runtime.collectives import AxisComm, before_collective
-
-
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
-    """Rows in_splits[i] of x go to rank i of the axis; out_splits[i] rows come from it."""
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    before_collective()
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=comm.group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: AxisComm) -> torch.Tensor:
-        ctx.splits, ctx.comm = (out_splits, in_splits), comm
-        return _exchange(x, out_splits, in_splits, comm)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _exchange(g, in_splits, out_splits, ctx.comm), None, None, None
+from autopar.runtime.collectives import AxisComm, exchange_rows, rows_all_to_all
 
 
 def expert_parallel(comm: AxisComm, ids: torch.Tensor, rows: Sequence[torch.Tensor], experts: Sequence[torch.Tensor],
@@ -53,16 +32,16 @@ def expert_parallel(comm: AxisComm, ids: torch.Tensor, rows: Sequence[torch.Tens
     perm = torch.argsort(ids, stable=True)
     # 1. counts: per_expert[q, e] rows for expert e of rank q; got[q, e] from rank q for my expert e
     per_expert = torch.histc(ids.float(), bins=n * local, min=0, max=n * local - 1).to(torch.int64).view(n, local)
-    got_per_expert = _exchange(per_expert.reshape(-1), [local] * n, [local] * n, comm).view(n, local)
+    got_per_expert = exchange_rows(per_expert.reshape(-1), [local] * n, [local] * n, comm).view(n, local)
     send_splits, recv_splits = per_expert.sum(1).tolist(), got_per_expert.sum(1).tolist()
     # 2. dispatch
     sent = [src[perm // g] if g != 1 else src[perm] for src, g in zip(rows, row_group)]
-    got = [_AllToAll.apply(r, recv_splits, send_splits, comm) for r in sent]
+    got = [rows_all_to_all(r, recv_splits, send_splits, comm) for r in sent]
     got_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(n), got_per_expert.reshape(-1))
     # 3. compute
     y = run_sorted(got_ids, got, experts, [1] * len(got), local, body)
     # 4. combine, 5. unsort
-    back = _AllToAll.apply(y, send_splits, recv_splits, comm)
+    back = rows_all_to_all(y, send_splits, recv_splits, comm)
     return back[torch.argsort(perm)]
 
 

@@ -20,6 +20,7 @@ import torch
 from autopar.core.errors import CollectiveError
 from autopar.core.kinds import StepKind
 from autopar.core.resharding import Step
+from autopar.runtime.causal_rows import balanced_attention
 from autopar.runtime.collectives import AxisComm, Move, finish, launch, move
 from autopar.runtime.experts import expert_parallel, expert_parallel_standing_in
 
@@ -189,6 +190,18 @@ class ProcessGroupRunner:
             raise CollectiveError(
                 f"expert parallelism at node {where} failed on mesh coordinate {comm.coord} of axis {axis}: {e}. A "
                 "peer rank probably failed or stopped first: look at its log") from e
+
+    def causal_rows(self, axis: int, unit: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    dropout_p: float, scale: Optional[float], enable_gqa: bool, where: str) -> torch.Tensor:
+        comm = self.comms[axis]
+        try:
+            return balanced_attention(comm, query, key, value, unit, dropout_p, scale, enable_gqa)
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError(
+                f"balanced causal attention at node {where} failed on mesh coordinate {comm.coord} of axis {axis}: "
+                f"{e}. A peer rank probably failed or stopped first: look at its log") from e
 
 
 class _naming:

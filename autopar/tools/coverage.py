@@ -40,7 +40,7 @@ def all_replicated_s(graph, costs: CostModel) -> float:
         if n.call is not None:
             ins = tuple(Spec((R,) * len(costs.mesh_shape), m) for m in n.call.inputs)
             outs = tuple(Spec((R,) * len(costs.mesh_shape), m) for m in n.call.outputs)
-            total += costs.op_cost(n.call.target, ins, outs).compute_s
+            total += costs.op_cost(n.call.target, ins, outs, n.call.causal).compute_s
     return total
 
 

@@ -37,6 +37,9 @@ class StepRunner(Protocol):
     def experts(self, axis: int, ids: torch.Tensor, rows: list, experts: list, row_group: list,
                 num_experts: int, body: str, where: str) -> torch.Tensor: ...
 
+    def causal_rows(self, axis: int, unit: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    dropout_p: float, scale: Optional[float], enable_gqa: bool, where: str) -> torch.Tensor: ...
+
 
 class StepModule(nn.Module):
     """One reshard step in an emitted program: `ap_all_gather_3 = self.ap_all_gather_3(x)`."""
@@ -89,9 +92,34 @@ class ExpertsModule(nn.Module):
         return f"experts split over axis {self.axis}, node={self.where}"
 
 
-def _runner(m: "StepModule | WaitModule | ExpertsModule") -> StepRunner:
+class CausalRowsModule(nn.Module):
+    """Causal self-attention with its rows split on mesh axis `axis`, balanced with the
+    mirror rank of the axis (autopar/core/causal.py):
+    `sdpa = self.ap_causal_sdpa(q, k, v, None, 0.0, True, scale=None, enable_gqa=False)`."""
+
+    def __init__(self, axis: int, unit: int, where: str) -> None:
+        super().__init__()
+        self.axis, self.unit = axis, unit
+        self.where = where  # the node, for error messages
+        self.runner: Optional[StepRunner] = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = True, *,
+                scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+        return _runner(self).causal_rows(self.axis, self.unit, query, key, value, dropout_p, scale, enable_gqa,
+                                         self.where)
+
+    def extra_repr(self) -> str:
+        return f"causal rows balanced over axis {self.axis}, node={self.where}"
+
+
+RUNNER_MODULES = (StepModule, WaitModule, ExpertsModule, CausalRowsModule)
+
+
+def _runner(m: "StepModule | WaitModule | ExpertsModule | CausalRowsModule") -> StepRunner:
     if m.runner is None:
-        what = f"{m.step} on the edge" if hasattr(m, "step") else "expert parallelism at node"
+        what = f"{m.step} on the edge" if hasattr(m, "step") else \
+            "expert parallelism at node" if isinstance(m, ExpertsModule) else "balanced causal attention at node"
         raise ProcessGroupError(f"{what} {m.where} has no process group: this program was "
                                 "emitted for reading, not running; run a model through autopar.compile")
     return m.runner
@@ -100,6 +128,6 @@ def _runner(m: "StepModule | WaitModule | ExpertsModule") -> StepRunner:
 def bind(gm: fx.GraphModule, runner: StepRunner) -> fx.GraphModule:
     """Give every reshard step of `gm` the runner that executes it; returns gm."""
     for m in gm.modules():
-        if isinstance(m, (StepModule, WaitModule, ExpertsModule)):
+        if isinstance(m, RUNNER_MODULES):
             m.runner = runner
     return gm

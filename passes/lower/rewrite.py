@@ -10,7 +10,8 @@
    same result; a communicating step is a start and a wait, ap_<kind>_<n>_wait).
 3. The node is copied with shape arguments made local (view/reshape/expand sizes), or
    becomes the op's local form (passes/rules/local.py); routed experts split with their
-   rows become a module, ap_experts_<node>, that exchanges rows over the axis. In a
+   rows become a module, ap_experts_<node>, that exchanges rows over the axis, and causal
+   attention with its rows split on one axis one, ap_causal_<node>, that balances them. In a
    graph with symbolic sizes (passes/trace/dynamic.py) a sym_size read of a dim split k ways
    is multiplied by k (sizes stay global, as the replicated factories need them) and a
    symbolic view/reshape/expand size of a dim split k ways is divided by k:
@@ -37,8 +38,9 @@ from autopar.core.resharding import Step, with_units
 from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan
 from autopar.passes.trace.dynamic import is_symbolic
+from autopar.core.causal import BalancedCausalRows
 from autopar.core.routed import ExpertParallel
-from autopar.passes.lower.program import ExpertsModule, StepModule, WaitModule
+from autopar.passes.lower.program import CausalRowsModule, ExpertsModule, StepModule, WaitModule
 from autopar.passes.rules.local import LOCAL_TARGET, SIZE_ARG_OPS, localize_call
 from autopar.passes.strategies.strategies import OUTPUT
 from autopar.passes.trace.trace import TracedGraph
@@ -85,10 +87,11 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
                                                      choice[node.name].outputs, mesh_shape, coords, sizes_done)
             if device is not None and isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": device}
-            if isinstance(target, ExpertParallel):  # rows exchanged over the axis: a module the runtime binds
-                root.add_module(f"ap_experts_{node.name}", ExpertsModule(target.axis, node.name))
-                new = graph.create_node("call_module", f"ap_experts_{node.name}", tuple(args), dict(kwargs),
-                                        name=node.name)
+            module = _exchanging_module(target, node.name)
+            if module is not None:  # rows exchanged over an axis: a module the runtime binds
+                name = f"ap_{'experts' if isinstance(target, ExpertParallel) else 'causal'}_{node.name}"
+                root.add_module(name, module)
+                new = graph.create_node("call_module", name, tuple(args), dict(kwargs), name=node.name)
             else:
                 new = graph.create_node("call_function", LOCAL_TARGET.get(target, target), tuple(args),
                                         dict(kwargs), name=node.name)
@@ -99,6 +102,15 @@ def rewrite(traced: TracedGraph, plan: Plan, device: Optional[torch.device] = No
                                       "only placeholders, call_function nodes and one output")
     graph.lint()
     return fx.GraphModule(root, graph, class_name="RankProgram")
+
+
+def _exchanging_module(target: Any, where: str) -> Optional[nn.Module]:
+    """The module of a local form that exchanges rows between the ranks of an axis."""
+    if isinstance(target, ExpertParallel):
+        return ExpertsModule(target.axis, where)
+    if isinstance(target, BalancedCausalRows):
+        return CausalRowsModule(target.axis, target.unit, where)
+    return None
 
 
 class _Resharder:

@@ -17,8 +17,9 @@ import torch
 from torch import fx
 
 from autopar.passes.lower.emit import buffer_blocks, emit, local_inputs
+from autopar.core.causal import attend_halves, halves
 from autopar.core.routed import run_sorted
-from autopar.passes.lower.program import ExpertsModule, StepModule, WaitModule
+from autopar.passes.lower.program import CausalRowsModule, ExpertsModule, StepModule, WaitModule
 from autopar.passes.lower.recompute import Recomputed, checkpoint
 from autopar.core.mesh import Mesh
 from autopar.core.placement import split_blocks
@@ -110,6 +111,13 @@ def run_lockstep(programs: list[fx.GraphModule], mesh: Mesh, inputs: list[list[t
             for r in range(len(programs)):
                 envs[r][node_lists[r][i].name] = ys[r]
             continue
+        if node.op == "call_module" and isinstance(programs[0].get_submodule(node.target), CausalRowsModule):
+            calls = [fx.node.map_arg((node_lists[r][i].args, node_lists[r][i].kwargs), lambda a: envs[r][a.name])
+                     for r in range(len(programs))]
+            ys = _causal_rows(programs[0].get_submodule(node.target), mesh, calls)
+            for r in range(len(programs)):
+                envs[r][node_lists[r][i].name] = ys[r]
+            continue
         if node.op == "call_module":
             mod = programs[0].get_submodule(node.target)
             xs = [envs[r][node_lists[r][i].args[0].name] for r in range(len(programs))]
@@ -147,6 +155,24 @@ def _experts(axis: int, mesh: Mesh, calls: list[tuple]) -> list[torch.Tensor]:
         y = run_sorted(ids, rows, experts, row_group, num_experts, body)
         for r, block in zip(group, y.split([calls[r][0].shape[0] for r in group])):
             out[r] = block
+    return out
+
+
+def _causal_rows(mod: CausalRowsModule, mesh: Mesh, calls: list[tuple]) -> list[torch.Tensor]:
+    """Balanced causal rows (autopar/core/causal.py) of every rank at once: each group's
+    ranks keep their first halves and compute their mirrors' second halves."""
+    out: list[Any] = [None] * len(calls)
+    for group in _groups(mesh, mod.axis):
+        ways = len(group)
+        pieces = [halves(calls[r][0][0], calls[r][0][1].shape[-2], ways, mod.unit, c) for c, r in enumerate(group)]
+        done = []
+        for c, r in enumerate(group):
+            args, kwargs = calls[r]
+            dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            done.append(attend_halves(pieces[c][0], pieces[ways - 1 - c][1], args[1], args[2], c, ways, mod.unit,
+                                      dropout_p, kwargs.get("scale"), kwargs.get("enable_gqa", False)))
+        for c, r in enumerate(group):
+            out[r] = torch.cat([done[c][0], done[ways - 1 - c][1]], dim=-2)
     return out
 
 

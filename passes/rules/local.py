@@ -17,7 +17,9 @@ do not:
                          the block starts (is_causal would align its first row with key
                          0). The start is worked out when the block runs, from the keys'
                          length, so a plan of symbolic sequence length starts each block
-                         where that call's chunks do
+                         where that call's chunks do. Rows split on one axis:
+                         BalancedCausalRows, which the rewrite makes a module that swaps
+                         half the rows with the mirror rank (autopar/core/causal.py)
     routed_experts       with experts split on an axis (autopar/core/routed.py): rows whole
                          there, masked_rows (this rank's experts' rows, from the block's
                          first expert); rows split there too, ExpertParallel(axis), which
@@ -34,7 +36,8 @@ from typing import Any, Optional
 
 import torch
 
-from autopar.core.placement import block_index, chunk_of, largest_block
+from autopar.core.causal import BalancedCausalRows, causal_rows_attention
+from autopar.core.placement import block_index, chunk_of
 from autopar.core.routed import ROUTED_EXPERTS, ExpertParallel, masked_rows
 
 aten = torch.ops.aten
@@ -77,6 +80,9 @@ def localize_call(target: Any, args: tuple, kwargs: dict, inputs: tuple, outputs
     if target is aten.scaled_dot_product_attention.default and inputs and inputs[0].shard_axes(2) \
             and sdpa_is_causal(args, kwargs):
         chunk = chunk_of(inputs[0], 2, mesh_shape, _needed(coords, "causal attention split along the sequence"))
+        axes = inputs[0].shard_axes(2)
+        if len(axes) == 1:  # the mirror block is on this axis: balanced (autopar/core/causal.py)
+            return BalancedCausalRows(axes[0], *chunk), args, kwargs
         return causal_rows_attention, chunk + tuple(args), kwargs
     if target is ROUTED_EXPERTS and inputs and inputs[-1].shard_axes(0):
         axis = inputs[-1].shard_axes(0)[0]
@@ -106,21 +112,3 @@ def embedding_block(weight: torch.Tensor, indices: torch.Tensor, start: int, pad
     pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
     out = aten.embedding.default(weight, local.clamp(0, rows - 1), pad, scale_grad_by_freq, sparse)
     return out * inside.unsqueeze(-1).to(out.dtype)
-
-
-def causal_rows_attention(chunk: int, ways: int, unit: int, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                          is_causal: bool = True, *, scale: Optional[float] = None, enable_gqa: bool = False
-                          ) -> torch.Tensor:
-    """Causal self-attention of the query rows of torch.chunk block `chunk` of `ways` in
-    units of `unit` (the rule splits rows only where there are as many queries as keys,
-    so the whole length is the keys'): rows [start, start + rows), row i sees key j where
-    j <= start + i, as torch's is_causal has it for the whole; `attn_mask` is always None
-    here (torch refuses it with is_causal). Every block reads all the keys (the last
-    needs them all), so every rank runs the shapes rank 0 runs, which the profile times."""
-    rows, length = query.shape[-2], key.shape[-2]
-    start = chunk * largest_block(length, ways, unit)
-    positions = start + torch.arange(rows, device=query.device)
-    visible = torch.arange(length, device=query.device) <= positions.unsqueeze(-1)
-    return aten.scaled_dot_product_attention.default(query, key, value, visible, dropout_p, False,
-                                                     scale=scale, enable_gqa=enable_gqa)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+import torch
+
 from autopar.core.placement import Partial, Placement, R, Shard, Spec, TensorMeta, canonical, units_of
 
 
@@ -36,6 +38,9 @@ class TensorArg:
     """Stands for the i-th tensor input inside OpCall.args (the graph node is elsewhere)."""
 
     index: int
+
+
+CAUSAL_TARGET = torch.ops.aten.scaled_dot_product_attention.default
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,12 @@ class OpCall:
         if i < len(self.args):
             return self.args[i]
         return self.kwargs.get(name, default)
+
+    @property
+    def causal(self) -> bool:
+        """sdpa with is_causal, which the cost model prices as its kernel runs
+        (cost_models/attention.py)."""
+        return self.target is CAUSAL_TARGET and bool(self.arg(5, "is_causal", False))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from autopar.passes.trace.saved import saved_outputs
 
 def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]]:
     """Seconds of every node's strategies; an op's own communication (routed experts'
-    all-to-alls) counts with its compute. Priced once per (op, strategy list): the nodes of
+    all-to-alls, balanced causal attention's swaps) counts with its compute. Priced once per (op, strategy list): the nodes of
     repeated layers share their strategy lists (passes/strategies/strategies.py _expanded)."""
     out: dict[str, list[float]] = {}
     priced: dict[tuple, list[float]] = {}
@@ -22,9 +22,10 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
         if n.call is None:
             out[n.name] = [0.0] * len(n.strategies)
             continue
-        key = (n.call.target, tuple(map(id, n.strategies)))
+        key = (n.call.target, n.call.causal, tuple(map(id, n.strategies)))
         if key not in priced:
-            priced[key] = [costs.op_cost(n.call.target, s.inputs, s.outputs).total_s for s in n.strategies]
+            priced[key] = [costs.op_cost(n.call.target, s.inputs, s.outputs, n.call.causal).total_s
+                           for s in n.strategies]
         out[n.name] = list(priced[key])
     return out
 

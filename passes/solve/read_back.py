@@ -71,14 +71,13 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
     for n in graph.nodes:
         s = chosen[n.name]
         c = compute[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
-        # an op's own communication (routed experts' all-to-alls) is reported as communication
-        own_comm = costs.op_cost(n.call.target, s.inputs, s.outputs).comm_s \
-            if n.call is not None and n.call.target is ROUTED_EXPERTS else 0.0
+        own_comm = _own_comm_s(n, s, costs)
         compute_total += c - own_comm
         comm_total += own_comm
         options = _alternatives(n, compute[n.name], chosen, consumers, pricer, priced_options)
         nodes.append(NodeChoice(n.name, n.op, s.inputs, s.outputs, c, len(n.strategies), n.module, options,
-                                groups[n.name].leader, n.kind, kept.get(n.name, ())))
+                                groups[n.name].leader, n.kind, kept.get(n.name, ()),
+                                n.call is not None and n.call.causal))
         nbytes = memory[n.name][groups[n.name].index_map[picks[groups[n.name].leader]]]
         if n.kind.is_state or n.kind is NodeKind.CONSTANT:
             param_bytes += s.outputs[0].local_nbytes(mesh)
@@ -102,3 +101,11 @@ def read_plan(graph: AnnotatedGraph, groups: dict[str, Member], picks: dict[str,
                 unruled_ops=graph.unruled_ops, state_bytes=state_bytes, discovered_ops=graph.discovered_ops,
                 recompute=recompute, hidden_s=hidden, routing_notes=routing_notes(graph.traced.gm),
                 grad_sync_every=sync_every)
+
+
+def _own_comm_s(n: PlannedNode, s: Strategy, costs: CostModel) -> float:
+    """An op's own communication (routed experts' all-to-alls, balanced causal attention's
+    swaps), which the plan reports as communication."""
+    if n.call is None or not (n.call.target is ROUTED_EXPERTS or n.call.causal):
+        return 0.0
+    return costs.op_cost(n.call.target, s.inputs, s.outputs, n.call.causal).comm_s

@@ -1,0 +1,139 @@
+"""Causal attention with its rows split along the sequence, balanced with the mirror rank
+(autopar/core/causal.py): exact against the whole, priced as it runs, and emitted as a
+module of the rank program. The gloo ranks run it in tests/test_equivalence.py
+(test_context_parallel_matches: the "causal" model's cases)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.core.causal import balanced_causal_rows, balanced_scores, causal_rows_attention, row_halves
+from autopar.core.placement import R, Shard, Spec, TensorMeta, chunk_sizes
+from autopar.cost_models.model import CostModel
+from tests import models
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _ranks_in_threads(query, key, value, ways: int, enable_gqa: bool) -> list[torch.Tensor]:
+    """Every rank's balanced rows, each rank a thread whose swap hands its rows to the
+    mirror thread (the tensors, so one backward reaches every rank's queries)."""
+    blocks = query.split([n for n in chunk_sizes(query.shape[-2], ways)], dim=-2)
+    slots: list = [None] * ways
+    outs: list = [None] * ways
+    barrier = threading.Barrier(ways)
+
+    def rank(c: int) -> None:
+        def swap(rows: torch.Tensor, coming: int) -> torch.Tensor:
+            slots[c] = rows
+            barrier.wait()
+            got = slots[ways - 1 - c]
+            barrier.wait()
+            assert got.shape[-2] == coming
+            return got
+        outs[c] = balanced_causal_rows(blocks[c], key, value, c, ways, 1, swap, enable_gqa=enable_gqa)
+
+    threads = [threading.Thread(target=rank, args=(c,)) for c in range(ways)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+@pytest.mark.parametrize("length,ways,kv_heads", [(16, 4, 4), (10, 4, 2), (6, 4, 4), (17, 3, 1), (8, 2, 2),
+                                                   (9, 8, 2)])
+def test_balanced_rows_equal_whole_causal_attention(length, ways, kv_heads):
+    # even, uneven (10 over 4: 3, 3, 3, 1), an empty last block (6 over 4), odd ways (the
+    # middle rank is its own mirror), GQA; forward and every gradient
+    g = torch.Generator().manual_seed(length * ways)
+    q = torch.randn(2, 4, length, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, length, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, length, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    gqa = kv_heads != 4
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    seed = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, (q, k, v), seed)
+    got = torch.cat(_ranks_in_threads(q, k, v, ways, gqa), dim=-2)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), seed), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # the masked form, which a rank alone computes, gives the same rows
+    masked = [causal_rows_attention(c, ways, 1, b, k, v, enable_gqa=gqa)
+              for c, b in enumerate(q.split(chunk_sizes(length, ways), dim=-2))]
+    torch.testing.assert_close(torch.cat(masked, dim=-2), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("ways", [2, 3, 4, 8])
+def test_the_busiest_rank_computes_about_the_triangle_over_the_ranks(ways):
+    half = 64
+    length = 2 * ways * half
+    # half-blocks c and 2 ways - 1 - c: (2 ways + 1) half^2 pairs on every rank
+    assert balanced_scores(length, ways, 1) == (2 * ways + 1) * half * half
+    masked = (length // ways) * length
+    assert balanced_scores(length, ways, 1) / masked == pytest.approx((2 * ways + 1) / (4 * ways))
+    assert row_halves(length, ways, 1, ways - 1) == (length - 2 * half, length - half, length)
+
+
+def _specs(placements_q, mesh_ndim: int, length: int):
+    q = TensorMeta((2, 8, length, 64), torch.bfloat16)
+    kv = Spec((R,) * mesh_ndim, q)
+    return (Spec(placements_q, q), kv, kv), (Spec(placements_q, q),)
+
+
+def test_causal_attention_is_priced_as_its_kernel_runs():
+    length = 16384  # FLOPs far above the launch overhead and the bytes
+    whole_in, whole_out = _specs((R,), 1, length)
+    one = CostModel.analytic("h100", (1,), training=True)
+    full = one.op_cost(SDPA, whole_in, whole_out).compute_s
+    triangle = one.op_cost(SDPA, whole_in, whole_out, causal=True).compute_s
+    assert triangle == pytest.approx(full * (length + 1) / (2 * length), rel=0.02)
+
+    # rows split on one axis: balanced, (2 w + 1) / (4 w) of the masked form, plus the swaps
+    ins, outs = _specs((Shard(2),), 1, length)
+    four = CostModel.analytic("h100", (4,), training=True)
+    masked, balanced = four.op_cost(SDPA, ins, outs), four.op_cost(SDPA, ins, outs, causal=True)
+    assert balanced.compute_s == pytest.approx(masked.compute_s * 9 / 16, rel=0.02)
+    half_rows = 2 * 8 * (length // 8) * 64 * 2  # bytes of half a rank's queries (bf16)
+    link = four.link(0)
+    one_swap = 3 * link.alpha_s + half_rows * link.beta_s_per_byte
+    assert balanced.comm_s == pytest.approx(4 * one_swap)  # queries there, results back; gradients twice
+    assert balanced.total_s < masked.total_s
+
+    # rows split on two axes: the masked form, no swap
+    ins, outs = _specs((Shard(2), Shard(2)), 2, length)
+    both = CostModel.analytic("h100", (2, 2), training=True)
+    assert both.op_cost(SDPA, ins, outs, causal=True) == both.op_cost(SDPA, ins, outs)
+
+
+def test_a_context_parallel_plan_prices_emits_and_saves_the_balanced_form(tmp_path):
+    from autopar.core.errors import ProcessGroupError
+    from autopar.passes.lower.emit import emit
+    from autopar.passes.lower.program import CausalRowsModule
+    from autopar.passes.plan.planning import trace_for_planning
+    model = models.build("causal")
+    args, kwargs = models.inputs("causal", batch=2, seq=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.hand_plan(model, args, kwargs, mesh=(4,), style="cp", device="h100")
+    attention = [n for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"]
+    assert attention and all(n.causal and str(n.outputs[0]) == "S(2)" for n in attention)
+    # the swaps are the plan's communication and evaluate() reproduces the plan's figures
+    figures = autopar.evaluate(plan, device="h100")
+    assert figures.compute_s == pytest.approx(plan.compute_s) and figures.comm_s == pytest.approx(plan.comm_s)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = autopar.Plan.from_json(path)
+    assert [n.causal for n in again.nodes] == [n.causal for n in plan.nodes]
+    assert autopar.evaluate(again, device="h100").total_s == pytest.approx(figures.total_s)
+
+    program = emit(trace_for_planning(model, args, kwargs), plan, (1,)).gm
+    modules = [m for m in program.modules() if isinstance(m, CausalRowsModule)]
+    assert len(modules) == len(attention) and all(m.axis == 0 for m in modules)
+    with pytest.raises(ProcessGroupError, match="balanced causal attention at node"):
+        modules[0](*[torch.zeros(2, 4, 4, 8)] * 3)
