@@ -137,3 +137,73 @@ def test_a_context_parallel_plan_prices_emits_and_saves_the_balanced_form(tmp_pa
     assert len(modules) == len(attention) and all(m.axis == 0 for m in modules)
     with pytest.raises(ProcessGroupError, match="balanced causal attention at node"):
         modules[0](*[torch.zeros(2, 4, 4, 8)] * 3)
+
+
+def _attention_calls(traced) -> list:
+    return [n for n in traced.gm.graph.nodes if n.target is SDPA]
+
+
+def _calls_causal(sdpa) -> bool:
+    """sdpa(q, k, v, attn_mask=None, dropout_p, is_causal=True), positionally or by keyword."""
+    mask = sdpa.args[3] if len(sdpa.args) > 3 else sdpa.kwargs.get("attn_mask")
+    causal = sdpa.args[5] if len(sdpa.args) > 5 else sdpa.kwargs.get("is_causal", False)
+    return mask is None and causal is True
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_transformers_explicit_causal_masks_become_is_causal(family):
+    # traced, transformers builds the causal mask as ops (aranges, packed-sequence ids,
+    # kv_pos <= q_pos): proven the triangle, the sdpa calls is_causal and the ops are gone;
+    # the traced program still computes the model's logits
+    from autopar.passes.trace.trace import trace
+    model = models.build(family)
+    args, kwargs = models.inputs(family, batch=2, seq=8)
+    traced = trace(model, args, {"input_ids": kwargs["input_ids"]})
+    calls = _attention_calls(traced)
+    assert calls and all(_calls_causal(n) for n in calls), [(n.args[3:], n.kwargs) for n in calls]
+    assert not any(n.target in (torch.ops.aten.le.Tensor, torch.ops.aten.cumsum.default) for n in traced.gm.graph.nodes)
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    feeds = [state[gi.target] if isinstance(gi.target, str) else kwargs["input_ids"] for gi in traced.inputs]
+    with torch.no_grad():
+        got = traced.gm(*feeds)[0]
+        torch.testing.assert_close(got, model(input_ids=kwargs["input_ids"]).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_long_mask_is_proven_without_building_it():
+    # 131072 tokens, batch 16, on the meta device: the [16, 1, L, L] mask (2.7e11 booleans)
+    # is never made; each row's visible keys are an interval from the position vectors
+    import time
+
+    from autopar.passes.trace.trace import trace
+    with torch.device("meta"):
+        model = models.build("llama")
+    ids = torch.zeros(16, 131072, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    calls = _attention_calls(trace(model, (), {"input_ids": ids}))
+    assert calls and all(_calls_causal(n) for n in calls)
+    assert time.perf_counter() - t0 < 60  # a guard against materialising the mask, not a timing target
+
+
+@pytest.mark.parametrize("case", ["sliding window", "padding mask", "long sliding window"])
+def test_masks_that_are_not_the_triangle_stay(case):
+    # a window of 4 keys (Mistral's sliding window), short and on the meta device at 4096
+    # tokens; a padding mask given as an input: the sdpa keeps its mask
+    import transformers as T
+
+    from autopar.passes.trace.trace import trace
+    config = T.MistralConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=64, max_position_embeddings=8192, use_cache=False,
+                             sliding_window=4)
+    if case == "padding mask":
+        model, args, kwargs = models.build("llama"), *models.inputs("llama", batch=2, seq=8)
+        kwargs = {"input_ids": kwargs["input_ids"], "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    elif case == "sliding window":
+        torch.manual_seed(0)
+        model, kwargs = T.MistralForCausalLM(config).eval(), {"input_ids": torch.randint(1, 64, (2, 8))}
+    else:
+        with torch.device("meta"):
+            model = T.MistralForCausalLM(config).eval()
+        kwargs = {"input_ids": torch.zeros(2, 4096, dtype=torch.long, device="meta")}
+    calls = _attention_calls(trace(model, (), kwargs))
+    assert calls and not any(_calls_causal(n) for n in calls)
+    assert all(isinstance(n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"), torch.fx.Node) for n in calls)

@@ -30,11 +30,10 @@ HAND_LAYOUTS = {
 
 
 # context parallelism (hand styles in passes/plan/hand_plans.py): every attention's query
-# rows split along the sequence, keys and values gathered. "causal" calls sdpa with
-# is_causal=True and GQA (balanced: each rank computes its first half-block and its mirror's
-# second, autopar/core/causal.py),
-# llama and gpt2 pass transformers' explicit mask (split with the rows); 10 tokens over 4
-# ranks are blocks of 3, 3, 3, 1
+# rows split along the sequence, keys and values gathered, balanced: each rank computes its
+# first half-block and its mirror's second (autopar/core/causal.py). "causal" calls sdpa with
+# is_causal=True and GQA; llama and gpt2 build transformers' explicit mask, which the trace
+# proves causal (passes/trace/causal_masks.py); 10 tokens over 4 ranks are blocks of 3, 3, 3, 1
 CONTEXT_PARALLEL_4 = [dict(model="causal", mesh=(4,), style="cp", seq=10),
                       dict(model="llama", mesh=(4,), style="cp", seq=10),
                       dict(model="gpt2", mesh=(4,), style="cp", seq=8),
@@ -162,9 +161,8 @@ def test_context_parallel_matches(four_ranks, eight_ranks, kw):
     per_rank = (four_ranks if len(kw["mesh"]) == 1 else eight_ranks)[_key(cases.gradient_equivalence, kw)]
     assert per_rank[0]["attention"] and all(a == CONTEXT_LAYOUTS[kw["style"]] for a in per_rank[0]["attention"]), \
         per_rank[0]["attention"]
-    # is_causal rows split on one axis run balanced, half of them swapped with the mirror
-    # rank (autopar/core/causal.py); an explicit mask (llama, gpt2) keeps the masked form
-    balanced = len(per_rank[0]["attention"]) if kw["model"] == "causal" else 0
+    # causal rows split on one axis run balanced, half of them swapped with the mirror rank
+    balanced = len(per_rank[0]["attention"])
     assert all(r["balanced"] == balanced for r in per_rank), [r["balanced"] for r in per_rank]
     _check_gradients(per_rank)
 

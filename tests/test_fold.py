@@ -1,6 +1,7 @@
-"""The rank program's fold (passes/lower/fold.py): export's assertions dropped, attention
-masks that are causal by construction run as is_causal=True, everything else as traced;
-the folded programs still equal one device (lockstep simulator)."""
+"""The rank program's fold (passes/lower/fold.py): export's assertions dropped; attention
+masks that are causal by construction run as is_causal=True (made so by the trace,
+passes/trace/causal_masks.py), everything else as traced; the programs still equal one
+device (lockstep simulator)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 import autopar
 from autopar.passes.lower.emit import emit
-from autopar.passes.lower.fold import _is_causal
+from autopar.passes.trace.causal_masks import is_triangle
 from autopar.passes.trace.trace import trace
 from autopar.tools.simulated import simulate_against
 from tests import models
@@ -37,9 +38,11 @@ class Attention(nn.Module):
             mask = rows[None, :] <= rows[:, None]
         elif self.kind == "additive":
             mask = torch.zeros(n, n, device=x.device).masked_fill(rows[None, :] > rows[:, None], float("-inf"))
+        elif self.kind == "broadcast":  # the 1 x 1 triangle, broadcast: every key visible
+            mask = torch.ones(1, 1, dtype=torch.bool, device=x.device).tril()
         elif self.kind == "window":
             mask = (rows[None, :] <= rows[:, None]) & (rows[:, None] - rows[None, :] < 3)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None].expand(b, 1, n, n))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None].expand(b, 1, *mask.shape))
         return self.out(y.transpose(1, 2).reshape(b, n, d))
 
 
@@ -66,11 +69,11 @@ def test_a_causal_mask_built_from_constants_runs_as_is_causal_and_still_equals_o
     assert simulate_against(model, (x,), {}, traced, plan) > 0  # outputs and gradients of every rank
 
 
-@pytest.mark.parametrize("kind", ["window", "input"])
+@pytest.mark.parametrize("kind", ["window", "input", "broadcast"])
 def test_a_mask_that_is_not_causal_or_not_constant_is_left_as_traced(kind):
     torch.manual_seed(0)
     model, x = Attention(kind).train(), torch.randn(4, 8, 16)
-    args = (x,) if kind == "window" else (x, torch.rand(8, 8) > 0.3)
+    args = (x, torch.rand(8, 8) > 0.3) if kind == "input" else (x,)
     traced, plan, program = _program(model, args)
     (sdpa,) = _sdpa_calls(program.gm)
     assert not sdpa.kwargs.get("is_causal") and isinstance(sdpa.args[3], torch.fx.Node)
@@ -93,14 +96,13 @@ def test_llama_rank_programs_build_no_mask_and_assert_nothing():
     assert simulate_against(model, args, kwargs, traced, plan) > 0
 
 
-def test_only_the_exact_lower_triangle_with_both_extents_known_is_causal():
+def test_only_the_exact_lower_triangle_is_causal():
     tril = torch.ones(4, 6, dtype=torch.bool).tril()
-    assert _is_causal(tril) and _is_causal(tril.expand(2, 3, 4, 6))
-    assert not _is_causal(torch.ones(4, 4, dtype=torch.bool).tril(-1))  # diagonal masked
-    assert not _is_causal(torch.ones(4, 4, dtype=torch.bool).tril(1))
-    assert not _is_causal(torch.ones(1, 1, dtype=torch.bool))  # an extent of one hides the attention's own
+    assert is_triangle(tril) and is_triangle(tril.expand(2, 3, 4, 6))
+    assert not is_triangle(torch.ones(4, 4, dtype=torch.bool).tril(-1))  # diagonal masked
+    assert not is_triangle(torch.ones(4, 4, dtype=torch.bool).tril(1))
     mixed = torch.stack([torch.ones(4, 4, dtype=torch.bool).tril(), torch.ones(4, 4, dtype=torch.bool)])
-    assert not _is_causal(mixed)  # one leading index differs
+    assert not is_triangle(mixed)  # one leading index differs
     additive = torch.zeros(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
-    assert _is_causal(additive) and not _is_causal(additive.masked_fill(additive == 0, -1e4))
-    assert not _is_causal(tril.to(torch.int64))
+    assert is_triangle(additive) and not is_triangle(additive.masked_fill(additive == 0, -1e4))
+    assert not is_triangle(tril.to(torch.int64))

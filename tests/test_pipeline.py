@@ -105,6 +105,7 @@ def test_auto_keeps_the_cheaper(gpt2_plans):
     assert auto.total_s <= plain.total_s
 
 
+@pytest.mark.slow  # 10 s of planning; the fast set keeps the round-trip and memory tests of pipelines
 def test_a_hand_plan_holds_its_layouts_inside_each_stage_and_autopar_is_no_slower():
     # torchtitan's FSDP x TP x PP: fsdp_tp on the sub-mesh (2, 2) of every stage, the split
     # the same as autopar's own, so autopar's stages (a superset of the layouts) cost no more

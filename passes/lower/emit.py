@@ -3,8 +3,8 @@
     Plan + TracedGraph + rank -> rewrite (stage 5) -> fold -> recomputed blocks -> schedule (stage 6)
                               -> RankProgram(gm, input order, specs)
 
-The fold (passes/lower/fold.py) drops what need not run every step (export's assertions,
-causal masks rebuilt from constants). The blocks the plan recomputes become checkpointed
+The fold (passes/lower/fold.py) drops what need not run every step (export's assertions).
+The blocks the plan recomputes become checkpointed
 submodules (passes/lower/recompute.py) before the schedule, which then orders the program
 and each block's body on its own.
 

@@ -15,7 +15,8 @@
    extra output (first in the output tuple), recorded as a BufferUpdate: the runtime
    stores each rank's block of it after the call. Training batch norms become the ops
    of their definition, so a batch split synchronises statistics (SyncBatchNorm).
-5. Canonical order and names (passes/trace/canonical.py); each mixture-of-experts routing
+5. An explicit mask proven causal becomes sdpa's is_causal (passes/trace/causal_masks.py).
+   Canonical order and names (passes/trace/canonical.py); each mixture-of-experts routing
    becomes one routed_experts node (passes/trace/experts.py).
 
 Steps 1-3 are export_program, steps 4-5 traced_program; program_bytes and load_program
@@ -43,6 +44,7 @@ from autopar.core.placement import TensorMeta, size_hint
 from autopar.passes.trace.dynamic import SymbolicDim, specialised_error, symbolic_dims
 from autopar.passes.trace.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
 from autopar.passes.trace.canonical import canonicalise
+from autopar.passes.trace.causal_masks import causal_masks_to_is_causal
 from autopar.passes.trace.custom_grad import backward_differs, custom_functions_applied
 from autopar.passes.trace.experts import collapse_routed_experts
 from autopar.passes.trace.higher_order import inline_grad_regions
@@ -247,6 +249,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     updates = _buffer_updates(ep, inputs, name)
     sync_batch_norms(ep.graph_module)
     inputs = _rename_placeholders(ep.graph_module, inputs)
+    causal_masks_to_is_causal(ep.graph_module)
     canonicalise(ep.graph_module)
     if not collapse_routed_experts(ep.graph_module):  # after canonicalise: its bodies' names are canonical too
         ep.graph_module.recompile()  # (a collapse regenerates the code itself)
