@@ -6,7 +6,10 @@ each hand plan (passes/plan/hand_plans.py: data_parallel, megatron, dp_tp, fsdp 
 context-parallel cp, dp_cp, fsdp_cp, tp_cp - each the best complete plan of its style)
 and of autopar's own plan, all on the meta device (no weights). Then the long-sequence
 shape: Llama-3-8B's layer (hidden 4096, 32/8 heads) stacked --long-layers deep, one
-sequence of --long-seq tokens, bf16, training under a 20 GiB budget on (8,) and (2,4).
+sequence of --long-seq tokens, bf16, training under a 20 GiB budget on (8,) and (2,4),
+returning its loss and logits as transformers does, and returning the loss alone (what a
+training loop reads; the logits, 1 x L x 128256, need not come back whole to every rank);
+under each, the share of autopar's step that is exposed (unhidden) communication.
 A style no plan of which fits the budget, or that does not apply to the mesh (dp_cp on
 (8,1): its sequence axis has size 1), prints "-". Last line: 'worst autopar/best-hand
 ratio: <x>' (goal <= 1.00).
@@ -20,6 +23,7 @@ import argparse
 import os
 import time
 import warnings
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,7 +34,7 @@ from autopar.core.errors import HandPlanError, MemoryBudgetError  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 from autopar.core.options import Options  # noqa: E402
 from autopar.passes.plan.planning import plan_traced, trace_for_planning  # noqa: E402
-from autopar.tools.zoo import build  # noqa: E402
+from autopar.tools.zoo import LossOnly, build  # noqa: E402
 
 MODELS = ("gpt2-small", "llama-small")
 MESHES = ((1, 8), (2, 4), (8, 1))
@@ -38,8 +42,9 @@ LONG_MESHES = ((8,), (2, 4))
 LONG_BUDGET = 20 * 2**30
 
 
-def row(label: str, traced, model, shape: tuple[int, ...], options: Options, styles: list[str]) -> float:
-    """Print one row (each style's and autopar's predicted ms); returns autopar/best-hand."""
+def row(label: str, traced, model, shape: tuple[int, ...], options: Options, styles: list[str]) -> tuple[float, Any]:
+    """Print one row (each style's and autopar's predicted ms); returns autopar/best-hand
+    and autopar's plan."""
     mesh = Mesh.of(shape)
     hands: dict[str, float] = {}
     for style in styles:
@@ -47,11 +52,12 @@ def row(label: str, traced, model, shape: tuple[int, ...], options: Options, sty
             hands[style] = plan_traced(traced, mesh, options, hand_pins(model, traced, shape, style))[1].total_s
         except (MemoryBudgetError, HandPlanError):  # no plan of the style fits, or the style does not apply
             pass
-    auto = plan_traced(traced, mesh, options)[1].total_s
+    plan = plan_traced(traced, mesh, options)[1]
+    auto = plan.total_s
     ratio = auto / min(hands.values())
     print(f"{label} {str(shape):<7} " + " ".join(f"{hands[s] * 1e3:9.3f}" if s in hands else f"{'-':>9}"
                                              for s in styles) + f" {auto * 1e3:9.3f} {ratio:6.3f}", flush=True)
-    return ratio
+    return ratio, plan
 
 
 def main() -> None:
@@ -76,15 +82,20 @@ def main() -> None:
             options = Options(device=args.device, training=training)
             for shape in MESHES:
                 label = f"{name:<12} {'train' if training else 'infer':<6}"
-                worst = max(worst, row(label, traced, model, shape, options, styles))
+                worst = max(worst, row(label, traced, model, shape, options, styles)[0])
     print(f"\nLlama-3-8B layers x{args.long_layers}, 1 x {args.long_seq} tokens, bf16, training, "
           f"budget {LONG_BUDGET / 2**30:.0f} GiB")
-    model, a, kw = build("llama3-8b", batch=1, seq=args.long_seq, training=True, device="meta",
-                         num_hidden_layers=args.long_layers)
-    traced = trace_for_planning(model, a, kw, torch.bfloat16)
+    lm, a, kw = build("llama3-8b", batch=1, seq=args.long_seq, training=True, device="meta",
+                      num_hidden_layers=args.long_layers)
     options = Options(device=args.device, training=True, param_dtype=torch.bfloat16, memory_budget_bytes=LONG_BUDGET)
-    for shape in LONG_MESHES:
-        worst = max(worst, row(f"{'llama3-8b':<12} {'long':<6}", traced, model, shape, options, styles))
+    for label, model in (("long", lm), ("loss", LossOnly(lm))):
+        traced = trace_for_planning(model, a, kw, torch.bfloat16)
+        for shape in LONG_MESHES:
+            ratio, plan = row(f"{'llama3-8b':<12} {label:<6}", traced, model, shape, options, styles)
+            worst = max(worst, ratio)
+            exposed = (plan.comm_s - plan.hidden_s) / plan.total_s
+            print(f"{'':<12} {'':<6} {'':<7} autopar: step {plan.total_s * 1e3:.1f} ms, exposed communication "
+                  f"{(plan.comm_s - plan.hidden_s) * 1e3:.1f} ms ({exposed:.0%} of the step)", flush=True)
     print(f"({time.perf_counter() - t0:.0f} s)")
     print(f"worst autopar/best-hand ratio: {worst:.3f}")
 

@@ -217,9 +217,11 @@ def chunk_sizes(n: int, k: int, unit: int = 1) -> tuple[int, ...]:
 
 
 def split_blocks(t: torch.Tensor, k: int, dim: int, unit: int = 1) -> tuple[torch.Tensor, ...]:
-    """t cut along dim into the k blocks of chunk_sizes (torch.chunk when unit is 1)."""
+    """t cut along dim into the k blocks of chunk_sizes: torch.chunk's when unit is 1, and
+    empty blocks after them where the dim is too short for k (2 rows over 4: 1, 1, 0, 0)."""
     if unit == 1:
-        return tuple(t.chunk(k, dim=dim))
+        blocks = t.chunk(k, dim=dim)
+        return tuple(blocks) + (t.narrow(dim, t.shape[dim], 0),) * (k - len(blocks))
     return tuple(t.split(list(chunk_sizes(t.shape[dim], k, unit)), dim=dim))
 
 

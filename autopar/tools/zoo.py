@@ -122,6 +122,19 @@ def build(name: str, batch: int = 4, seq: int = 32, training: bool = False, seed
     return (model, (), _inputs(kind, config, batch, seq, seed))
 
 
+class LossOnly(torch.nn.Module):
+    """A zoo model that returns its loss alone, what a training loop reads: its other
+    outputs (a causal LM's logits, batch x sequence x vocabulary) need not come back whole
+    to every rank."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(**inputs).loss
+
+
 def _inputs(kind: str, config: Any, batch: int, seq: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed + 1)
     if kind == "image":

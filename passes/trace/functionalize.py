@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import fx
@@ -96,10 +96,12 @@ def differentiable_copies(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
-def new_node(gm: fx.GraphModule, like: fx.Node, target: Any, args: tuple, kwargs: dict) -> fx.Node:
+def new_node(gm: fx.GraphModule, like: fx.Node, target: Any, args: tuple, kwargs: dict,
+             name: Optional[str] = None) -> fx.Node:
     """A call inserted in place of `like`, with its value computed on the fake inputs and
-    `like`'s source location (errors and the plan name the user's line)."""
-    node = gm.graph.call_function(target, args, kwargs)
+    `like`'s source location (errors and the plan name the user's line); named `name`
+    (numbered where taken), else as FX names the target."""
+    node = gm.graph.call_function(target, args, kwargs, name=name)
     vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
     node.meta = {k: v for k, v in like.meta.items() if k != "val"}
     node.meta["val"] = target(*vals[0], **vals[1])

@@ -15,7 +15,8 @@
    extra output (first in the output tuple), recorded as a BufferUpdate: the runtime
    stores each rank's block of it after the call. Training batch norms become the ops
    of their definition, so a batch split synchronises statistics (SyncBatchNorm).
-5. An explicit mask proven causal becomes sdpa's is_causal (passes/trace/causal_masks.py).
+5. An explicit mask proven causal becomes sdpa's is_causal (passes/trace/causal_masks.py);
+   a mean loss becomes its sum over its count (passes/trace/mean_losses.py).
    Canonical order and names (passes/trace/canonical.py); each mixture-of-experts routing
    becomes one routed_experts node (passes/trace/experts.py).
 
@@ -45,6 +46,7 @@ from autopar.passes.trace.dynamic import SymbolicDim, specialised_error, symboli
 from autopar.passes.trace.functionalize import differentiable_copies, needs_functionalising, sync_batch_norms, written_args
 from autopar.passes.trace.canonical import canonicalise
 from autopar.passes.trace.causal_masks import causal_masks_to_is_causal
+from autopar.passes.trace.mean_losses import mean_losses_as_sums
 from autopar.passes.trace.custom_grad import backward_differs, custom_functions_applied
 from autopar.passes.trace.experts import collapse_routed_experts
 from autopar.passes.trace.higher_order import inline_grad_regions
@@ -250,6 +252,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     sync_batch_norms(ep.graph_module)
     inputs = _rename_placeholders(ep.graph_module, inputs)
     causal_masks_to_is_causal(ep.graph_module)
+    mean_losses_as_sums(ep.graph_module)
     canonicalise(ep.graph_module)
     if not collapse_routed_experts(ep.graph_module):  # after canonicalise: its bodies' names are canonical too
         ep.graph_module.recompile()  # (a collapse regenerates the code itself)
