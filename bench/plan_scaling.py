@@ -3,6 +3,7 @@ h100 preset. Planning time is autopar.plan end to end: trace, strategies, ILP bu
 solve, plan read-back (and for a pipeline, the split and every stage's own plan).
 
     python bench/plan_scaling.py [--repeats 3] [--cluster inner|all|off] [--skip-70b] [--skip-405b] [--skip-dsv3]
+                                 [--skip-long]
 
 1. The GPT-2 small shape at 12, 24 and 48 layers and the Llama-3-8B shape (32 layers,
    hidden 4096, 32/8 heads, vocab 128256) on mesh (2, 4), batch 8 x 512: the median of
@@ -15,7 +16,8 @@ solve, plan read-back (and for a pipeline, the split and every stage's own plan)
    compute, a 70 GiB budget (goal: a plan that fits, under 60 s and 8 GB); the
    DeepSeek-V3 shape (transformers' DeepseekV3Config defaults: 61 layers, hidden 7168,
    256 routed experts, top-8, MLA) on (32, 8) over 32 nodes, batch 32 x 4096, bf16, 70 GiB
-   (goal under 60 s).
+   (goal under 60 s); the Llama-3-8B shape at 131072 tokens (batch 1, bf16, 70 GiB) on (8,)
+   and on (8, 8) over 8 nodes (goal: proven optimal in under 60 s).
 
 Every shape is planned in a process of its own, so each row's peak memory (the largest
 resident set of that process) is that shape's alone. The last lines give each shape's
@@ -82,15 +84,27 @@ def plan_dsv3() -> tuple[float, autopar.Plan]:
     return time.perf_counter() - t, plan
 
 
+def plan_long(shape: tuple[int, ...], nodes: int) -> tuple[float, autopar.Plan]:
+    model, args, kwargs = build("llama3-8b", batch=1, seq=131072, training=True, device="meta")
+    t = time.perf_counter()
+    plan = autopar.plan(model, args, kwargs, mesh=shape, device="h100", nodes=nodes, param_dtype=torch.bfloat16,
+                        memory_budget_bytes=70 * 2**30)
+    return time.perf_counter() - t, plan
+
+
 def _row(job: tuple) -> dict:
     """One shape planned in this (fresh) process: seconds, the plan's figures, peak RSS."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     kind, a = job[0], job[1:]
-    seconds, plan = {"flat": plan_flat, "70b": plan_70b, "405b": plan_405b, "dsv3": plan_dsv3}[kind](*a)
+    seconds, plan = {"flat": plan_flat, "70b": plan_70b, "405b": plan_405b, "dsv3": plan_dsv3,
+                     "long": plan_long}[kind](*a)
     p, s = plan.pipeline, plan.solver
+    reports = [sp.solver for sp in plan.stage_plans] or [s]  # a pipeline: each stage's own solve
+    gaps = [r.gap for r in reports if r.gap is not None]
     return {"seconds": seconds, "step_ms": plan.total_s * 1e3, "memory_gib": plan.memory_bytes / 2**30,
             "variables": s.variables, "constraints": s.constraints, "shared": s.shared_blocks, "status": s.status,
+            "gap": max(gaps) if gaps else None, "stage_status": ", ".join(sorted({r.status for r in reports})),
             "chose": f"pipeline axis {p.axis}, {len(p.stages)} stages" if p is not None else "no pipeline",
             "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
@@ -111,6 +125,7 @@ def main() -> None:
     ap.add_argument("--skip-70b", action="store_true", help="leave out the Llama-3-70B (4, 8) pipeline-auto row")
     ap.add_argument("--skip-405b", action="store_true", help="leave out the Llama-3.1-405B (8, 8, 8) row")
     ap.add_argument("--skip-dsv3", action="store_true", help="leave out the DeepSeek-V3 (32, 8) row")
+    ap.add_argument("--skip-long", action="store_true", help="leave out the Llama-3-8B rows at 131072 tokens")
     args = ap.parse_args()
     print(f"{'shape':<11} {'median s':>9} {'peak GB':>8} {'variables':>10} {'constraints':>11} {'shared':>6} status")
     last: dict[str, tuple[float, float]] = {}
@@ -124,12 +139,15 @@ def main() -> None:
     print(f"growth 12->48 layers: {last['GPT-2 48L'][0] / last['GPT-2 12L'][0]:.2f}x (goal <= 4x)")
     big = [("Llama-3-70B (4, 8) pipeline auto", "70b", 15)] * (not args.skip_70b) + \
           [("Llama-3.1-405B (8, 8, 8) pipeline axis 0, bf16, 70 GiB", "405b", 60)] * (not args.skip_405b) + \
-          [("DeepSeek-V3 (32, 8), bf16, 70 GiB", "dsv3", 60)] * (not args.skip_dsv3)
+          [("DeepSeek-V3 (32, 8), bf16, 70 GiB", "dsv3", 60)] * (not args.skip_dsv3) + \
+          [("Llama-3-8B x 131072 (8,), bf16, 70 GiB", ("long", (8,), 1), 60),
+           ("Llama-3-8B x 131072 (8, 8), 8 nodes, bf16, 70 GiB", ("long", (8, 8), 8), 60)] * (not args.skip_long)
     for label, kind, goal in big:
-        r = in_own_process((kind,))
+        r = in_own_process(kind if isinstance(kind, tuple) else (kind,))
         last[label] = (r["seconds"], r["peak_gb"])
         print(f"{label}: {r['seconds']:.1f} s (goal < {goal} s), peak {r['peak_gb']:.2f} GB; chose {r['chose']}, "
-              f"predicted step {r['step_ms']:.1f} ms, {r['memory_gib']:.1f} GiB per rank", flush=True)
+              f"predicted step {r['step_ms']:.1f} ms, {r['memory_gib']:.1f} GiB per rank ({r['stage_status']}, "
+              + (f"gap up to {r['gap']:.2%})" if r["gap"] is not None else "no gap reported)"), flush=True)
     for label, (seconds, peak) in last.items():
         print(f"{label}: {seconds:.1f} s, peak {peak:.2f} GB")
 
