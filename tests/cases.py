@@ -48,15 +48,23 @@ def _loss(out) -> torch.Tensor:
 
 
 def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device: str = "cheap", batch: int = 2,
-                         seq: int = 8, style: str = "", budget: float = 0.0, **over) -> dict:
+                         seq: int = 8, style: str = "", budget: float = 0.0, loss_only: bool = False,
+                         ignored: int = 0, **over) -> dict:
     """Loss and every local parameter gradient on this rank, next to the matching block
     of the single-device gradient. `style`: run that hand plan (autopar/hand_plans.py)
     instead of autopar's; `budget`: plan under this fraction of the unbounded plan's
-    memory per rank (recompute, sharded parameters)."""
+    memory per rank (recompute, sharded parameters); `loss_only`: the model returns its
+    loss alone (zoo.LossOnly); `ignored`: the labels of the last positions are -100."""
     import copy
+
+    from autopar.tools.zoo import LossOnly
     m = models.build(model, **over).train()
+    m = LossOnly(m) if loss_only else m
     ref_model = copy.deepcopy(m)
     args, kwargs = models.inputs(model, batch, seq)
+    if ignored:
+        kwargs["labels"] = kwargs["labels"].clone()
+        kwargs["labels"][:, -ignored:] = -100
     ref_loss = _loss(ref_model(*args, **kwargs))
     ref_loss.backward()
     ref_grads = {k: p.grad for k, p in ref_model.named_parameters(remove_duplicate=False)}
@@ -83,6 +91,7 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
             "shared_blocks": plan.solver.shared_blocks,
             "attention": [str(n.outputs[0]) for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"],
             "balanced": _balanced_attention(pm),
+            "loss_rows": [str(n.inputs[0]) for n in plan.nodes if n.op == "aten.cross_entropy_loss.default"],
             "experts": [str(n.inputs[-1]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
             "routed_rows": [str(n.inputs[0]) for n in plan.nodes if n.op == "autopar.routed_experts.default"],
             "recomputed": [n for b in plan.recompute for n in b.nodes],

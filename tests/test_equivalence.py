@@ -65,6 +65,7 @@ def four_ranks():
     batch += [(cases.gradient_equivalence, dict(model="gpt2", mesh=(2, 2), n_layer=4))]
     batch += [(cases.gradient_equivalence, kw) for kw in CONTEXT_PARALLEL_4]
     batch += [(cases.gradient_equivalence, dict(model="llama", mesh="auto", batch=4))]
+    batch += [(cases.gradient_equivalence, LOSS_ROWS)]
     batch += [(cases.gradient_equivalence, kw) for kw in EXPERT_PARALLEL_4 + [EXPERT_RECOMPUTE]]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
@@ -192,6 +193,18 @@ def test_the_mesh_rank_0_chose_trains_like_one_device(four_ranks):
     per_rank = four_ranks[_key(cases.gradient_equivalence, dict(model="llama", mesh="auto", batch=4))]
     assert per_rank[0]["mesh_candidates"] == [(4,), (2, 2)]
     assert {res["mesh"] for res in per_rank} == {per_rank[0]["mesh"]}
+    _check_gradients(per_rank)
+
+
+# a mean loss is its sum over its count (passes/trace/mean_losses.py): a Llama returning
+# its loss alone, the last 3 labels of each row ignored, computes each rank's rows of the
+# loss (two partial sums) and trains like one device
+LOSS_ROWS = dict(model="llama", mesh=(4,), batch=4, loss_only=True, ignored=3)
+
+
+def test_loss_rows_split_over_ranks_match(four_ranks):
+    per_rank = four_ranks[_key(cases.gradient_equivalence, LOSS_ROWS)]
+    assert all(r["loss_rows"] == ["S(0)"] for r in per_rank), [r["loss_rows"] for r in per_rank]
     _check_gradients(per_rank)
 
 
