@@ -207,3 +207,40 @@ def test_masks_that_are_not_the_triangle_stay(case):
     calls = _attention_calls(trace(model, (), kwargs))
     assert calls and not any(_calls_causal(n) for n in calls)
     assert all(isinstance(n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"), torch.fx.Node) for n in calls)
+
+
+class _SharedMask(torch.nn.Module):
+    """Two attentions reading one 1 x 1 triangle (all true), the second with 4 queries; or
+    one attention over 4096 positions, the first a NaN (not sorted: no query sees key 0),
+    or boolean positions (no binary search on them)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, short: torch.Tensor, long: torch.Tensor) -> torch.Tensor:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if self.kind == "broadcast":
+            mask = torch.ones(1, 1, dtype=torch.bool, device=short.device).tril()
+            return sdpa(short, short, short, attn_mask=mask).sum() + sdpa(long, long, long, attn_mask=mask).sum()
+        n = long.shape[-2]
+        cols = torch.arange(n, device=long.device, dtype=torch.float32)
+        if self.kind == "nan":  # key 0 is seen by no query, yet a binary search finds every row's end at i + 1
+            cols, rows = cols.masked_fill(cols == 0, float("nan")), cols + 0.5
+        else:
+            cols, rows = cols > 0, cols > 0
+        return sdpa(long, long, long, attn_mask=cols[None, :] <= rows[:, None]).sum()
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "nan", "bool"])
+def test_a_mask_is_proven_for_each_attention_that_reads_it_and_refused_where_unproven(kind):
+    # the 1 x 1 triangle is the 1-query attention's is_causal, not the 4-query one's; the
+    # NaN and boolean positions (4096 x 4096, beyond what is evaluated whole) prove nothing
+    from autopar.passes.trace.trace import trace
+    n = 4 if kind == "broadcast" else 4096
+    device = "cpu" if kind == "broadcast" else "meta"
+    short, long = torch.randn(1, 2, 1, 8, device=device), torch.randn(1, 2, n, 8, device=device)
+    calls = {n.args[0].meta["val"].shape[-2]: n for n in _attention_calls(trace(_SharedMask(kind), (short, long)))}
+    assert not _calls_causal(calls[n])
+    if kind == "broadcast":
+        assert _calls_causal(calls[1])

@@ -40,9 +40,8 @@ _COMPARE = {aten.le.Tensor: "le", aten.lt.Tensor: "lt", aten.ge.Tensor: "ge", at
             aten.eq.Tensor: "eq"}
 _AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
 _CAST = {aten.to.dtype_layout, aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default}
-# comparing row value r with column values c: the keys j where the comparison holds, as
-# (side of searchsorted for lo, side for hi); None: from 0, or to the end
 _CHECK = aten._assert_tensor_metadata.default
+# a comparison read the other way round (row op column as column op' row)
 _FLIPPED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq"}
 
 
@@ -66,14 +65,17 @@ def causal_masks_to_is_causal(gm: fx.GraphModule) -> int:
     """Rewrite every sdpa of `gm` whose mask is proven causal (module docstring); returns
     how many. Does not recompile `gm`."""
     changed = 0
-    verdicts: dict[str, bool] = {}  # layers share one mask: proven once
+    verdicts: dict[tuple, bool] = {}  # layers share one mask: proven once per query and key extent
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]:
         mask = node.args[_MASK_ARG] if len(node.args) > _MASK_ARG else node.kwargs.get("attn_mask")
         if not isinstance(mask, fx.Node) or _is_causal_arg(node):
             continue
-        if mask.name not in verdicts:
-            verdicts[mask.name] = _is_triangle(mask, node.args[0].meta.get("val"), node.args[1].meta.get("val"))
-        if verdicts[mask.name]:
+        query, key = (node.args[i].meta.get("val") for i in (0, 1))
+        extents = tuple(t.shape[-2] if isinstance(t, torch.Tensor) and isinstance(t.shape[-2], int) else None
+                        for t in (query, key))  # None: symbolic (such a mask is not proven)
+        if (mask.name, extents) not in verdicts:
+            verdicts[mask.name, extents] = _is_triangle(mask, query, key)
+        if verdicts[mask.name, extents]:
             _call_causal(node)
             _drop_unused(gm.graph, mask)
             changed += 1
@@ -107,7 +109,7 @@ def _is_triangle(mask: fx.Node, query: Any, key: Any) -> bool:
         return False  # a mask that broadcasts along the queries or keys hides their extent
     try:
         form = _Evaluator().form(mask)
-    except _NotProven:
+    except Exception:  # noqa: BLE001 - not shown, or an op that cannot run on the CPU: either way nothing is proven
         return False
     if isinstance(form, torch.Tensor):
         return is_triangle(form)
@@ -162,7 +164,7 @@ def _foldable(node: fx.Node) -> bool:
 
 
 def _whole(val: torch.Tensor) -> bool:
-    """Computed whole: small, or a vector along queries or keys (B x L elements at most)."""
+    """Computed whole: small, or of size 1 along the queries or the keys (a position vector)."""
     return prod(val.shape) <= SMALL or (val.ndim >= 2 and min(val.shape[-2:]) == 1)
 
 
@@ -191,13 +193,14 @@ def _compared(op: str, a: torch.Tensor, b: torch.Tensor, val: torch.Tensor, wher
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     column = a.expand(lead + (1, val.shape[-1])).reshape(-1, val.shape[-1])
     row = b.expand(lead + (val.shape[-2], 1)).reshape(-1, val.shape[-2])
-    if column.shape[-1] > 1 and bool((column[:, 1:] < column[:, :-1]).any()):
-        raise _NotProven(where)  # not sorted along the keys: the true keys need not be one interval
+    if column.shape[-1] > 1 and not bool((column[:, 1:] >= column[:, :-1]).all()):
+        raise _NotProven(where)  # not sorted along the keys (NaN included): the true keys need not be one interval
     left = torch.searchsorted(column.contiguous(), row.contiguous(), right=False)
     right = torch.searchsorted(column.contiguous(), row.contiguous(), right=True)
     end = torch.full_like(left, val.shape[-1])
     # keys j with column[j] `op` row[i]
-    lo, hi = {"le": (0 * left, right), "lt": (0 * left, left), "ge": (left, end), "gt": (right, end),
+    zero = torch.zeros_like(left)
+    lo, hi = {"le": (zero, right), "lt": (zero, left), "ge": (left, end), "gt": (right, end),
               "eq": (left, right)}[op]
     shape = lead + (val.shape[-2],)
     return _Rows(lo.reshape(shape), hi.reshape(shape))

@@ -13,7 +13,9 @@ input is the logits, batch x sequence x vocabulary: at 32768 tokens and Llama 3'
 
 Left as it is: class weights (the mean divides by the targets' weights), label smoothing,
 probability targets (floating point: the mean divides by the batch), an input of one
-dimension (a single sample), and any reduction but the mean.
+dimension (a single sample), any reduction but the mean, and inputs below float32 (aten
+divides its float32 sum and rounds once; the sum rounded to bfloat16 first would round
+twice). transformers' causal-LM loss upcasts the logits to float32 first.
 """
 
 from __future__ import annotations
@@ -68,4 +70,4 @@ def _splittable(args: list) -> bool:
     xv, tv = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, target))
     if not isinstance(xv, torch.Tensor) or not isinstance(tv, torch.Tensor):
         return False
-    return xv.ndim >= 2 and not tv.is_floating_point()
+    return xv.ndim >= 2 and xv.dtype in (torch.float32, torch.float64) and not tv.is_floating_point()
