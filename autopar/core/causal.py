@@ -141,3 +141,8 @@ class BalancedCausalRows:
                  scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
         return causal_rows_attention(self.chunk, self.ways, self.unit, query, key, value, attn_mask, dropout_p,
                                      is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def sdpa_is_causal(args: tuple, kwargs: dict) -> bool:
+    """sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale, enable_gqa)."""
+    return bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))

@@ -8,7 +8,7 @@ otherwise), so a member and its text are one dictionary key, as they are equal.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any
 
 from autopar.core.errors import OptionsError
@@ -84,3 +84,12 @@ class StepKind(TextEnum):
 
 
 _COMMUNICATING = frozenset({StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER, StepKind.ALL_TO_ALL})
+
+
+class LossReduction(IntEnum):
+    """aten's `reduction` argument of its losses (torch.nn._reduction's numbering); in a
+    graph's arguments it is written as the int."""
+
+    NONE = 0
+    MEAN = 1
+    SUM = 2

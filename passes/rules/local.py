@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from autopar.core.causal import BalancedCausalRows, causal_rows_attention
+from autopar.core.causal import BalancedCausalRows, causal_rows_attention, sdpa_is_causal
 from autopar.core.placement import block_index, chunk_of
 from autopar.core.routed import ROUTED_EXPERTS, ExpertParallel, masked_rows
 
@@ -98,10 +98,6 @@ def _needed(coords: Optional[tuple[int, ...]], what: str) -> tuple[int, ...]:
         raise ValueError(f"{what} needs the rank's mesh coordinates")
     return coords
 
-
-def sdpa_is_causal(args: tuple, kwargs: dict) -> bool:
-    """sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale, enable_gqa)."""
-    return bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
 
 
 def embedding_block(weight: torch.Tensor, indices: torch.Tensor, start: int, padding_idx: int = -1,

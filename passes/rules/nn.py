@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.core.kinds import LossReduction
 from autopar.core.placement import P, Placement, R, Shard
 from autopar.passes.rules._helpers import norm_dim
 from autopar.passes.rules.registry import AxisRule, OpCall, register
@@ -100,21 +101,18 @@ def embedding(call: OpCall) -> list[AxisRule]:
     return rules
 
 
-REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
-
-
 @register(aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
 def cross_entropy(call: OpCall) -> list[AxisRule]:
     """(input[N, C, ...], target[N, ...], weight?) over rows. 'none' keeps rows split,
     'sum' leaves P; 'mean' divides by the count of non-ignored targets, which differs
     per chunk, so it runs replicated."""
-    reduction = call.arg(3, "reduction", REDUCTION_MEAN)
+    reduction = call.arg(3, "reduction", LossReduction.MEAN)
     extra = (R,) * (len(call.inputs) - 2)
     rules = [AxisRule((R,) * len(call.inputs), (R,))]
     if call.inputs[0].ndim >= 2:
-        if reduction == REDUCTION_NONE:
+        if reduction == LossReduction.NONE:
             rules.append(AxisRule((Shard(0), Shard(0)) + extra, (Shard(0),)))
-        elif reduction == REDUCTION_SUM:
+        elif reduction == LossReduction.SUM:
             rules.append(AxisRule((Shard(0), Shard(0)) + extra, (P,)))
     return rules
 

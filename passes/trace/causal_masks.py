@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import fx
+
+from autopar.core.causal import sdpa_is_causal
 
 aten = torch.ops.aten
 
@@ -68,7 +70,7 @@ def causal_masks_to_is_causal(gm: fx.GraphModule) -> int:
     verdicts: dict[tuple, bool] = {}  # layers share one mask: proven once per query and key extent
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]:
         mask = node.args[_MASK_ARG] if len(node.args) > _MASK_ARG else node.kwargs.get("attn_mask")
-        if not isinstance(mask, fx.Node) or _is_causal_arg(node):
+        if not isinstance(mask, fx.Node) or sdpa_is_causal(node.args, node.kwargs):
             continue
         query, key = (node.args[i].meta.get("val") for i in (0, 1))
         extents = tuple(t.shape[-2] if isinstance(t, torch.Tensor) and isinstance(t.shape[-2], int) else None
@@ -80,10 +82,6 @@ def causal_masks_to_is_causal(gm: fx.GraphModule) -> int:
             _drop_unused(gm.graph, mask)
             changed += 1
     return changed
-
-
-def _is_causal_arg(sdpa: fx.Node) -> bool:
-    return bool(sdpa.args[_CAUSAL_ARG] if len(sdpa.args) > _CAUSAL_ARG else sdpa.kwargs.get("is_causal", False))
 
 
 def _call_causal(sdpa: fx.Node) -> None:
@@ -109,7 +107,7 @@ def _is_triangle(mask: fx.Node, query: Any, key: Any) -> bool:
         return False  # a mask that broadcasts along the queries or keys hides their extent
     try:
         form = _Evaluator().form(mask)
-    except Exception:  # noqa: BLE001 - not shown, or an op that cannot run on the CPU: either way nothing is proven
+    except _NotProven:
         return False
     if isinstance(form, torch.Tensor):
         return is_triangle(form)
@@ -149,7 +147,10 @@ class _Evaluator:
         args = fx.node.map_arg(node.args, self.form)
         kwargs = fx.node.map_arg(node.kwargs, self.form)
         if _whole(val) and not _any_rows((args, kwargs)):
-            return node.target(*_on_cpu(args), **_on_cpu(kwargs))
+            try:
+                return node.target(*_on_cpu(args), **_on_cpu(kwargs))
+            except NotImplementedError as e:  # no CPU kernel for it: its value is not known here
+                raise _NotProven(node.name) from e
         return _big(node, val, args)
 
 
@@ -188,8 +189,8 @@ def _compared(op: str, a: torch.Tensor, b: torch.Tensor, val: torch.Tensor, wher
     a, b = (x.reshape((1,) * (val.ndim - x.ndim) + tuple(x.shape)) for x in (a, b))
     if a.shape[-1] == 1 and b.shape[-2] == 1:  # row op column: as column flipped-op row
         a, b, op = b, a, _FLIPPED[op]
-    if a.shape[-2] != 1 or b.shape[-1] != 1:
-        raise _NotProven(where)
+    if a.shape[-2] != 1 or b.shape[-1] != 1 or a.dtype in (torch.bool, torch.complex64, torch.complex128):
+        raise _NotProven(where)  # not a column against a row, or positions no binary search orders
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     column = a.expand(lead + (1, val.shape[-1])).reshape(-1, val.shape[-1])
     row = b.expand(lead + (val.shape[-2], 1)).reshape(-1, val.shape[-2])
@@ -229,11 +230,10 @@ def _on_cpu(tree: Any) -> Any:
 
 def _drop_unused(graph: fx.Graph, start: fx.Node) -> None:
     """Erase `start` and the ops before it that nothing else reads any more."""
-    todo: list[Optional[fx.Node]] = [start]
-    erased: set[str] = set()
+    todo, erased = [start], set()
     while todo:
         node = todo.pop()
-        if node is None or node.op != "call_function" or node.name in erased:
+        if node.op != "call_function" or node.name in erased:
             continue
         checks = [u for u in node.users if u.target is _CHECK and not u.users]
         if len(checks) != len(node.users):

@@ -23,14 +23,14 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autopar.core.kinds import LossReduction
 from autopar.passes.trace.functionalize import new_node
 
 aten = torch.ops.aten
 
-REDUCTION_MEAN, REDUCTION_SUM = 1, 2
-# (input, target, weight, reduction, ignore_index[, label_smoothing]): the schema's defaults
 _MEAN_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
-_DEFAULTS = (None, None, None, REDUCTION_MEAN, -100, 0.0)
+# (input, target, weight, reduction, ignore_index[, label_smoothing]): the schema's defaults
+_DEFAULTS = (None, None, None, int(LossReduction.MEAN), -100, 0.0)
 _NAMES = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
 
 
@@ -44,7 +44,7 @@ def mean_losses_as_sums(gm: fx.GraphModule) -> int:
             continue
         x, target, _, _, ignore, *smoothing = args
         with gm.graph.inserting_before(node):  # named as torch.export names these ops
-            total = new_node(gm, node, node.target, (x, target, None, REDUCTION_SUM, ignore, *smoothing), {},
+            total = new_node(gm, node, node.target, (x, target, None, int(LossReduction.SUM), ignore, *smoothing), {},
                              node.target.__name__.split(".")[0])
             valid = new_node(gm, node, aten.ne.Scalar, (target, ignore), {}, "ne")
             count = new_node(gm, node, aten.sum.default, (valid,), {}, "sum")
@@ -65,7 +65,7 @@ def _arguments(node: fx.Node) -> list:
 
 def _splittable(args: list) -> bool:
     x, target, weight, reduction, _ignore, *smoothing = args
-    if reduction != REDUCTION_MEAN or weight is not None or any(s != 0.0 for s in smoothing):
+    if reduction != LossReduction.MEAN or weight is not None or any(s != 0.0 for s in smoothing):
         return False
     xv, tv = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, target))
     if not isinstance(xv, torch.Tensor) or not isinstance(tv, torch.Tensor):
