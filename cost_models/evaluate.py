@@ -75,7 +75,7 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
             cost = costs.op_cost(target, n.inputs, n.outputs, n.causal)
             compute_s, op_comm_s = compute_s + cost.compute_s, op_comm_s + cost.comm_s
         memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes,
-                             n.saved)
+                             n.saved, n.inputs)
     every = plan.grad_sync_every  # parameter edges pay 1/n of a bucket's reduction (overlap.amortised_s)
     params = {n.name for n in plan.nodes if n.kind is NodeKind.PARAMETER} if every > 1 else set()
     comm_s = op_comm_s + sum(costs.steps_cost(e.steps).total_s

@@ -8,6 +8,10 @@
                  only the outputs autograd keeps for backward where `saved` says which
                  (passes/trace/saved.py), else all of them (an upper bound); in inference an
                  upper bound of what is live at once
+    output       what the program returns, in the layout it is returned in (whole on every
+                 rank unless the plan leaves it split): a logits tensor gathered for the
+                 user is a copy of its own beside the sharded one the op made. Counted in
+                 full even where the same tensor is also kept for backward (an upper bound)
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from autopar.cost_models.compute import VIEWS
 
 
 def node_bytes(kind: NodeKind, target: Optional[Any], outputs: tuple[Spec, ...], mesh_shape: tuple[int, ...],
-               training: bool, optimizer_state_bytes: int, saved: Sequence[bool] = ()) -> int:
-    """`saved`: per output, whether backward keeps it (training only; empty: all)."""
+               training: bool, optimizer_state_bytes: int, saved: Sequence[bool] = (),
+               inputs: tuple[Spec, ...] = ()) -> int:
+    """`saved`: per output, whether backward keeps it (training only; empty: all);
+    `inputs`: the node's input layouts (read for the output node: what it returns)."""
+    if kind is NodeKind.OUTPUT:
+        return sum(s.local_nbytes(mesh_shape) for s in inputs)
     if kind is NodeKind.PARAMETER:
         spec = outputs[0]
         local = spec.local_nbytes(mesh_shape)

@@ -47,7 +47,7 @@ CONTEXT_PARALLEL_8 = [dict(model="causal", mesh=(2, 4), style="dp_cp", seq=10),
 EXPERT_PARALLEL_4 = [dict(model=m, mesh=(4,), style="ep", batch=4) for m in ("mixtral", "qwen3_moe", "deepseek_v3")]
 # the solver's own plan under 80 % of its unbounded memory: the layers are recomputed in
 # backward, all-to-alls included (every rank recomputes them in one order)
-EXPERT_RECOMPUTE = dict(model="qwen3_moe", mesh=(4,), batch=4, num_hidden_layers=4, budget=0.8)
+EXPERT_RECOMPUTE = dict(model="qwen3_moe", mesh=(4,), batch=4, num_hidden_layers=2, budget=0.8)
 EXPERT_PARALLEL_8 = [dict(model=m, mesh=(2, 4), style="ep", batch=4) for m in ("mixtral", "qwen3_moe", "deepseek_v3")]
 # the attention layout each style pins
 CONTEXT_LAYOUTS = {"cp": "S(2)", "fsdp_cp": "S(2)", "dp_cp": "S(0)S(2)", "tp_cp": "S(2)S(1)"}

@@ -58,6 +58,22 @@ def test_training_counts_gradients_and_optimizer_state():
     assert plan.state_bytes == local_elems * (4 + 8)  # fp32 gradient + two fp32 AdamW states
 
 
+def test_an_output_returned_whole_counts_whole_on_every_rank(data_parallel_case):
+    """A batch-split op's output gathered for the user is a whole copy on each rank, beside
+    the quarter the op made: the plan's activations count both, and evaluate() agrees."""
+    from autopar.cost_models.evaluate import evaluate
+    _, x, free = data_parallel_case
+    (out,) = [n for n in free.nodes if n.kind is NodeKind.OUTPUT]
+    last = free.node(free.edges[-1].producer)
+    whole = x.shape[0] * 256 * 4
+    assert out.inputs[0].is_replicated() and out.inputs[0].local_nbytes((4, 1)) == whole
+    assert last.outputs[0].local_nbytes((4, 1)) == whole // 4  # the op's own output is split
+    made = sum(n.outputs[0].local_nbytes((4, 1)) for n in free.nodes if n.kind.computes or n.kind.is_input
+               and not n.kind.is_state)
+    assert free.activation_bytes == made + whole
+    assert evaluate(free).memory_bytes == free.memory_bytes
+
+
 def test_impossible_budget_names_budget_and_smallest_footprint(data_parallel_case):
     model, x, free = data_parallel_case
     with pytest.raises(autopar.MemoryBudgetError) as err:

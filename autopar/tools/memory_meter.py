@@ -64,13 +64,17 @@ def kept_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
 
 def kept_per_rank(model: torch.nn.Module, args: tuple, kwargs: dict, traced: TracedGraph, plan: Plan) -> float:
     """Per rank: the bytes `plan`'s rank programs (run in lockstep, one training forward
-    with parameters as the only leaves that require grad) leave held for backward."""
+    with parameters as the only leaves that require grad) leave held for backward, with
+    the outputs they return."""
     state = {k: v.detach() for k, v in {**dict(model.named_parameters(remove_duplicate=False)),
                                         **dict(model.named_buffers(remove_duplicate=False))}.items()}
     programs = [emit(traced, plan, plan.mesh.coords(r)) for r in range(plan.mesh.size)]
     feeds = [[t.requires_grad_(gi.kind is NodeKind.PARAMETER and t.is_floating_point()) for gi, t in
               zip(p.inputs, local_inputs(p, state, traced.constants, flatten_inputs(args, kwargs)[0],
                                          plan.mesh.shape, state_is_local=False))] for p in programs]
-    _, kept = kept_bytes(lambda: [loss_of(_compat.tree_unflatten(traced.user_outputs(o), traced.out_spec))
-                                  for o in run_lockstep([p.gm for p in programs], plan.mesh, feeds)])
+    # the outputs stay referenced beside the loss, as a caller holding `out` through
+    # `out.loss.backward()` keeps them (the plan counts what it returns)
+    _, kept = kept_bytes(lambda: [(loss_of(out), out) for out in
+                                  (_compat.tree_unflatten(traced.user_outputs(o), traced.out_spec)
+                                   for o in run_lockstep([p.gm for p in programs], plan.mesh, feeds))])
     return kept / plan.mesh.size

@@ -32,11 +32,12 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
 
 def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
     """Bytes per rank of every node's strategies; in training an op counts the outputs
-    autograd keeps for backward (passes/trace/saved.py). What is made per microbatch (the
+    autograd keeps for backward (passes/trace/saved.py), the output node what it returns.
+    What is made per microbatch (the
     graph's inputs and its ops' outputs) counts Options.activations_in_flight times."""
     kept = kept_outputs(graph, costs)
     return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
-                                costs.training, options.optimizer_state_bytes, kept.get(n.name, ()))
+                                costs.training, options.optimizer_state_bytes, kept.get(n.name, ()), s.inputs)
                      * activation_copies(n.kind, options) for s in n.strategies]
             for n in graph.nodes}
 
