@@ -47,7 +47,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import pipelining as pp
 
 from autopar.core.errors import MeshError
 from autopar.core.mesh import Mesh
@@ -68,8 +67,11 @@ from autopar.runtime.pipeline_state import (PipelineCheckpoint, gather_pipeline_
 from autopar.runtime.agree import agreed
 from autopar.runtime.state import gather_full
 
-SCHEDULES = {Schedule.GPIPE: pp.ScheduleGPipe, Schedule.ONE_F_ONE_B: pp.Schedule1F1B,
-             Schedule.INTERLEAVED_1F1B: pp.ScheduleInterleaved1F1B}
+# torch.distributed.pipelining is imported where a pipeline is built, not with this
+# module: it brings torch._dynamo and DTensor (about a second of CPU) into every process
+# that imports autopar's API, pipelined or not (a CLI call, every rank of a plain plan)
+SCHEDULE_CLASSES = {Schedule.GPIPE: "ScheduleGPipe", Schedule.ONE_F_ONE_B: "Schedule1F1B",
+                    Schedule.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B"}
 
 
 class _FullInputGrad(torch.autograd.Function):
@@ -196,6 +198,7 @@ class PipelineStages:
 
     def _build(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Steps 2 and 3."""
+        from torch.distributed import pipelining
         p, mesh, device = self.plan.pipeline, self.mesh, torch.device("cpu")
         sub_groups, pipe_group = stage_groups(mesh, p.axis, device, self.options.collective_timeout_s)
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, p.microbatches)
@@ -223,8 +226,8 @@ class PipelineStages:
             self.stage_indices.append(stage.index)
             # torch's stage for a pipeline() split: it routes every value to the stage that
             # reads it, as the graph says (after relaying: the next stage)
-            torch_stages.append(pp.build_stage(module, stage.index, split.pipe.info(), device, pipe_group))
-        schedule = SCHEDULES[p.schedule]
+            torch_stages.append(pipelining.build_stage(module, stage.index, split.pipe.info(), device, pipe_group))
+        schedule = getattr(pipelining, SCHEDULE_CLASSES[p.schedule])
         if p.schedule is Schedule.INTERLEAVED_1F1B:
             return schedule(torch_stages, n_microbatches=p.microbatches, loss_fn=self.loss_fn)
         return schedule(torch_stages[0], n_microbatches=p.microbatches, loss_fn=self.loss_fn)

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed import pipelining as pp
 
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, stage_mesh
@@ -54,7 +53,9 @@ class StageSplit:
 def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, ...]) -> Any:
     """Step 1: torch's pipeline() split before each module path in `points`. pipeline()
     wraps the forward of those modules in place; they are unwrapped again, so the user's
-    model is left as it was (and can be split again)."""
+    model is left as it was (and can be split again). torch.distributed.pipelining is
+    imported here, not with this module: it brings torch._dynamo and DTensor along."""
+    from torch.distributed import pipelining as pp
     split = {name: pp.SplitPoint.BEGINNING for name in points}
     try:
         return pp.pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split)
