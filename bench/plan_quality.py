@@ -7,9 +7,10 @@ context-parallel cp, dp_cp, fsdp_cp, tp_cp - each the best complete plan of its 
 and of autopar's own plan, all on the meta device (no weights). Then the long-sequence
 shape: Llama-3-8B's layer (hidden 4096, 32/8 heads) stacked --long-layers deep, one
 sequence of --long-seq tokens, bf16, training under a 20 GiB budget on (8,) and (2,4),
-returning its loss and logits as transformers does, and returning the loss alone (what a
-training loop reads; the logits, 1 x L x 128256, need not come back whole to every rank);
-under each, the share of autopar's step that is exposed (unhidden) communication.
+returning its loss and logits as transformers does ("long"), the same with the logits left
+in the layout the plan makes them (Options.sharded_outputs: a DTensor; "split"), and
+returning the loss alone (what a training loop reads; "loss"); under each, the share of
+autopar's step that is exposed (unhidden) communication.
 A style no plan of which fits the budget, or that does not apply to the mesh (dp_cp on
 (8,1): its sequence axis has size 1), prints "-". Last line: 'worst autopar/best-hand
 ratio: <x>' (goal <= 1.00).
@@ -23,6 +24,7 @@ import argparse
 import os
 import time
 import warnings
+from dataclasses import replace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,10 +90,13 @@ def main() -> None:
     lm, a, kw = build("llama3-8b", batch=1, seq=args.long_seq, training=True, device="meta",
                       num_hidden_layers=args.long_layers)
     options = Options(device=args.device, training=True, param_dtype=torch.bfloat16, memory_budget_bytes=LONG_BUDGET)
-    for label, model in (("long", lm), ("loss", LossOnly(lm))):
-        traced = trace_for_planning(model, a, kw, torch.bfloat16)
+    traced = trace_for_planning(lm, a, kw, torch.bfloat16)
+    loss_only = LossOnly(lm)
+    sides = (("long", lm, traced, options), ("split", lm, traced, replace(options, sharded_outputs=True)),
+             ("loss", loss_only, trace_for_planning(loss_only, a, kw, torch.bfloat16), options))
+    for label, model, traced, opts in sides:
         for shape in LONG_MESHES:
-            ratio, plan = row(f"{'llama3-8b':<12} {label:<6}", traced, model, shape, options, styles)
+            ratio, plan = row(f"{'llama3-8b':<12} {label:<6}", traced, model, shape, opts, styles)
             worst = max(worst, ratio)
             exposed = (plan.comm_s - plan.hidden_s) / plan.total_s
             print(f"{'':<12} {'':<6} {'':<7} autopar: step {plan.total_s * 1e3:.1f} ms, exposed communication "

@@ -98,6 +98,39 @@ def gradient_equivalence(rank: int, world: int, model: str, mesh: tuple, device:
             "mesh": plan.mesh.shape, "mesh_candidates": [c.shape for c in plan.mesh_candidates]}
 
 
+def split_outputs_equivalence(rank: int, world: int, model: str, mesh: tuple, style: str, batch: int = 4,
+                              seq: int = 8) -> dict:
+    """Options(sharded_outputs=True) under a hand plan whose logits are made split: the
+    logits come back as a DTensor holding this rank's block, the loss whole; an objective
+    that reads both (the loss plus a term of the gathered logits) trains every parameter
+    as on one device, so gradients flow back through the DTensor too."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from autopar.core.placement import local_chunk
+    m = models.build(model).train()
+    ref_model = copy.deepcopy(m)
+    args, kwargs = models.inputs(model, batch, seq)
+    ref = ref_model(*args, **kwargs)
+    (ref.loss + 1e-2 * (ref.logits ** 2).mean()).backward()
+    ref_grads = {k: p.grad for k, p in ref_model.named_parameters(remove_duplicate=False)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = _planned_on_rank0(lambda: hand_plan(m, args, kwargs, mesh=mesh, style=style, device=CHEAP_COMM,
+                                                   sharded_outputs=True))
+        pm = autopar.compile(m, args, kwargs, mesh=mesh, device=CHEAP_COMM, plan=plan)
+    out = pm(*args, **kwargs)
+    logits = out.logits
+    spec = pm.plan.node("output").inputs[1]
+    (out.loss + 1e-2 * (logits.full_tensor() ** 2).mean()).backward()
+    return {"loss": out.loss.detach(), "ref_loss": ref.loss.detach(), "grads": _grad_pairs(pm, ref_grads, rank),
+            "is_dtensor": isinstance(logits, DTensor), "loss_is_plain": type(out.loss) is torch.Tensor,
+            "spec": str(spec), "local": logits.to_local().detach(),
+            "expected": local_chunk(ref.logits.detach(), spec, pm.plan.mesh.shape, pm.plan.mesh.coords(rank)),
+            "whole": logits.full_tensor().detach(), "ref_logits": ref.logits.detach()}
+
+
 def _balanced_attention(pm) -> int:
     """How many attentions this rank's program runs balanced with a mirror rank."""
     from autopar.passes.lower.program import CausalRowsModule

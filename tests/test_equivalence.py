@@ -67,6 +67,7 @@ def four_ranks():
     batch += [(cases.gradient_equivalence, dict(model="llama", mesh="auto", batch=4))]
     batch += [(cases.gradient_equivalence, LOSS_ROWS)]
     batch += [(cases.gradient_equivalence, kw) for kw in EXPERT_PARALLEL_4 + [EXPERT_RECOMPUTE]]
+    batch += [(cases.split_outputs_equivalence, kw) for kw, _ in SPLIT_OUTPUTS]
     results = run_ranks(4, batch)
     return {_key(fn, kw): [r[i] for r in results] for i, (fn, kw) in enumerate(batch)}
 
@@ -205,6 +206,23 @@ LOSS_ROWS = dict(model="llama", mesh=(4,), batch=4, loss_only=True, ignored=3)
 def test_loss_rows_split_over_ranks_match(four_ranks):
     per_rank = four_ranks[_key(cases.gradient_equivalence, LOSS_ROWS)]
     assert all(r["loss_rows"] == ["S(0)"] for r in per_rank), [r["loss_rows"] for r in per_rank]
+    _check_gradients(per_rank)
+
+
+# Options(sharded_outputs=True): the logits come back as a DTensor in the layout the plan
+# made them (batch rows under data parallelism; vocabulary over both axes under Megatron),
+# the loss whole; an objective reading both trains every parameter as on one device
+SPLIT_OUTPUTS = [(dict(model="llama", mesh=(4,), style="data_parallel"), "S(0)"),
+                 (dict(model="llama", mesh=(2, 2), style="megatron"), "S(2)S(2)")]
+
+
+@pytest.mark.parametrize("kw,spec", SPLIT_OUTPUTS, ids=lambda x: x.get("style", "") if isinstance(x, dict) else x)
+def test_outputs_left_split_come_back_as_dtensors_and_train(four_ranks, kw, spec):
+    per_rank = four_ranks[_key(cases.split_outputs_equivalence, kw)]
+    for rank, res in enumerate(per_rank):
+        assert res["is_dtensor"] and res["loss_is_plain"] and res["spec"] == spec, (rank, res["spec"])
+        torch.testing.assert_close(res["local"], res["expected"], msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(res["whole"], res["ref_logits"], msg=lambda m: f"rank {rank}: {m}")
     _check_gradients(per_rank)
 
 

@@ -54,6 +54,7 @@ def test_a_profile_file_is_its_own_field():
     ("grad_sync_every", 0, "Options.grad_sync_every=0 is not an int >= 1"),
     ("mip_gap", 1.0, r"Options.mip_gap=1.0 is not a fraction in \[0, 1\)"),
     ("pipeline_axis", "first", r"Options.pipeline_axis='first' is not one of \['auto'\] or a mesh axis number"),
+    ("sharded_outputs", "yes", r"Options.sharded_outputs='yes' is not a bool"),
 ])
 def test_a_bad_value_is_an_options_error_naming_the_field(field, value, says):
     with pytest.raises(OptionsError, match=says):

@@ -159,6 +159,11 @@ class Options:
     microbatches: int = 1
     # pipeline schedule (autopar.Schedule): "gpipe", "1f1b" or "interleaved_1f1b"
     pipeline_schedule: Schedule = Schedule.ONE_F_ONE_B
+    # outputs left split as the plan makes them (passes/strategies/output_layouts.py): the
+    # solver may return each output in any layout without partial sums, and an output that
+    # comes back split is a DTensor on the plan's mesh (whole ones stay plain tensors).
+    # False: every output is gathered whole on every rank
+    sharded_outputs: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_axis is not None and self.dynamic:  # as the caller spelled them
@@ -167,6 +172,7 @@ class Options:
         self._normalise()
         self._check_numbers()
         self._check_cuda_graphs()
+        self._check_sharded_outputs()
         link_overrides(self.links)  # likewise
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
             raise OptionsError(f"Options.nodes={self.nodes!r} is not a positive int; pass the number of machines "
@@ -222,7 +228,7 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise OptionsError(f"Options.{name}={value!r} is not a positive number of seconds")
-        for name in ("follow", "discover_rules", "overlap", "compile", "cuda_graphs"):
+        for name in ("follow", "discover_rules", "overlap", "compile", "cuda_graphs", "sharded_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"Options.{name}={getattr(self, name)!r} is not a bool (True or False)")
         if self.training is not None and not isinstance(self.training, bool):
@@ -245,6 +251,18 @@ class Options:
             raise OptionsError(f"CUDA graphs (cuda_graphs=True, torch.compile mode={CUDA_GRAPHS_MODE!r}) replay "
                                f"one recorded shape, and dynamic={self.dynamic!r} plans for a range of them; drop "
                                "one of the two (or pad the inputs to one shape)")
+
+    def _check_sharded_outputs(self) -> None:
+        if not self.sharded_outputs:
+            return
+        if self.pipeline_axis is not None:
+            raise OptionsError(f"Options(sharded_outputs=True) with pipeline_axis={self.pipeline_axis!r}: a "
+                               "pipeline's outputs come back through torch's schedule on the last stage, whole; "
+                               "drop one of the two")
+        if self.dynamic:
+            raise OptionsError(f"Options(sharded_outputs=True) with dynamic={self.dynamic!r}: a split output's "
+                               "DTensor needs the global shape of one call; plan for static shapes or drop "
+                               "sharded_outputs")
 
     @property
     def planning(self) -> "PlanningOptions":
@@ -285,6 +303,7 @@ class PlanningOptions:
     pipeline_axis: "int | PipelineAxis | None"
     microbatches: int
     pipeline_schedule: Schedule
+    sharded_outputs: bool
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,21 @@
 """ParallelModule: the one executor; it runs any Plan on this rank.
 
-Every rank passes the same full inputs; each takes its own block locally (no
-communication), runs its program, and gets full outputs back. Parameters live as
-this rank's shards (nn.Parameters under `.shards`), so optimisers work unchanged.
+Every rank passes the same full inputs; each takes its own block locally (no communication),
+runs its program, and gets the outputs back (whole, or DTensors where the plan leaves them
+split: outputs.py). Parameters live as this rank's shards (nn.Parameters under `.shards`).
 Without example inputs the model is traced and planned at the first call, and again
 for every new input signature (shapes, dtypes, non-tensor values); later plans keep
 the parameter layouts of the first, so the shards stay valid across signatures. A
 pipelined plan runs as this rank's stages instead (stages.py); pm.step(...) trains one
 step of either (step.py).
 
-A coordinator over small parts: groups.py (process groups per mesh axis), shipping.py
-(rank 0 traces, the others rebuild its graph), call_agreement.py (every call's inputs
-the same on every rank before any collective), agree.py (rank 0 plans, every rank
-agrees), programs.py (the one signature -> program cache), shards.py (this rank's
-parameters), measure.py and measured_plan.py (the profiling cost model), buckets.py
-(data-parallel gradient all-reduce), state.py and checkpoint_view.py (clipping, state
-dicts, checkpoints) and passes/lower/emit.py (the program, its inputs, and the blocks
-of the buffers it writes, which shards.store_buffers keeps after each call).
+A coordinator over small parts: groups.py (process groups per mesh axis), shipping.py (rank 0
+traces, the others rebuild its graph), call_agreement.py (every call's inputs the same on
+every rank before any collective), agree.py (rank 0 plans, every rank agrees), programs.py
+(the one signature -> program cache), shards.py (this rank's parameters), measure.py and
+measured_plan.py (the profiling cost model), buckets.py (data-parallel gradient
+all-reduce), state.py and checkpoint_view.py (clipping, state dicts, checkpoints) and
+passes/lower/emit.py (the program, its inputs, the blocks of its buffers' new values).
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ from autopar.runtime.checkpoint_view import CheckpointView, ShardView
 from autopar.runtime.measure import default_profile_path, profile_for_mesh
 from autopar.runtime.measured_plan import measured_plan
 from autopar.runtime.metrics import StepMetrics, step_meter
+from autopar.runtime.outputs import caller_outputs
 from autopar.runtime.agree import agreed_plan, attempt
 from autopar.runtime.shipping import shared_trace
 from autopar.runtime.step import Stages, one_program_step
@@ -189,7 +189,7 @@ class ParallelModule(ShardedStateMethods, nn.Module):
             outputs = compiled.run(*feed)
         store_buffers(self.state_tensors, buffer_blocks(compiled.program, compiled.traced, compiled.plan, outputs,
                                                         self.mesh.shape))
-        return _compat.tree_unflatten(compiled.traced.user_outputs(outputs), compiled.traced.out_spec)
+        return caller_outputs(outputs, compiled.traced, compiled.plan, self.device_mesh)
 
     def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> Optional[torch.Tensor]:
         """One training step, whatever the plan: forward, loss_fn(output, target), backward;

@@ -26,6 +26,7 @@ from autopar.core.errors import SolverError
 from autopar.passes.solve.solve import solve
 from autopar.passes.solve.solver_backend import solver_name
 from autopar.passes.solve.warm_start import StartingLayouts, merged_axes, refined
+from autopar.passes.strategies.output_layouts import outputs_left_split
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace.trace import TracedGraph, trace
 
@@ -47,6 +48,8 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     mesh of three axes or more the solver starts from the plan of the mesh with two of
     them merged (passes/solve/warm_start.py): `coarse` when it is that plan, else one
     solved here first. `memory_price`: seconds per byte (passes/solve/solve.py solve)."""
+    if options.sharded_outputs:
+        graph = outputs_left_split(graph)
     traced, mesh = graph.traced, graph.mesh
     training = traced.training if options.training is None else options.training
     costs = CostModel.analytic(options.device, mesh.shape, training, options.nodes, link_overrides(options.links))
