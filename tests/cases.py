@@ -103,7 +103,8 @@ def split_outputs_equivalence(rank: int, world: int, model: str, mesh: tuple, st
     """Options(sharded_outputs=True) under a hand plan whose logits are made split: the
     logits come back as a DTensor holding this rank's block, the loss whole; an objective
     that reads both (the loss plus a term of the gathered logits) trains every parameter
-    as on one device, so gradients flow back through the DTensor too."""
+    as on one device, so gradients flow back through the DTensor too; autopar.verify
+    passes the plan (it gathers split outputs to compare them)."""
     import copy
 
     from torch.distributed.tensor import DTensor
@@ -124,7 +125,11 @@ def split_outputs_equivalence(rank: int, world: int, model: str, mesh: tuple, st
     logits = out.logits
     spec = pm.plan.node("output").inputs[1]
     (out.loss + 1e-2 * (logits.full_tensor() ** 2).mean()).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = autopar.verify(models.build(model).train(), args, kwargs, mesh=mesh, plan=plan, device=CHEAP_COMM)
     return {"loss": out.loss.detach(), "ref_loss": ref.loss.detach(), "grads": _grad_pairs(pm, ref_grads, rank),
+            "verified": report.ok, "report": str(report),
             "is_dtensor": isinstance(logits, DTensor), "loss_is_plain": type(out.loss) is torch.Tensor,
             "spec": str(spec), "local": logits.to_local().detach(),
             "expected": local_chunk(ref.logits.detach(), spec, pm.plan.mesh.shape, pm.plan.mesh.coords(rank)),

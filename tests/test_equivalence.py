@@ -221,6 +221,7 @@ def test_outputs_left_split_come_back_as_dtensors_and_train(four_ranks, kw, spec
     per_rank = four_ranks[_key(cases.split_outputs_equivalence, kw)]
     for rank, res in enumerate(per_rank):
         assert res["is_dtensor"] and res["loss_is_plain"] and res["spec"] == spec, (rank, res["spec"])
+        assert res["verified"], (rank, res["report"])
         torch.testing.assert_close(res["local"], res["expected"], msg=lambda m: f"rank {rank}: {m}")
         torch.testing.assert_close(res["whole"], res["ref_logits"], msg=lambda m: f"rank {rank}: {m}")
     _check_gradients(per_rank)

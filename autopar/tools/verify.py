@@ -89,7 +89,10 @@ def compare(name: str, got: Optional[torch.Tensor], want: torch.Tensor, rtol: fl
 
 
 def _float_leaves(out: Any) -> list[torch.Tensor]:
-    return [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """The floating-point tensors of an output, an output left split (a DTensor,
+    Options.sharded_outputs) gathered whole, its gradient flowing back to the block."""
+    leaves = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t for t in leaves]
 
 
 def _loss(leaves: list[torch.Tensor]) -> torch.Tensor:
