@@ -13,7 +13,7 @@ from torch import nn
 
 from autopar.core.errors import MeshError, ProcessGroupError
 from autopar.core.mesh import Mesh, check_node_layout
-from autopar.core.options import Options
+from autopar.core.options import Options, OptionsError
 from autopar.core.pipeline import PipelineError
 from autopar.core.placement import R, Spec, TensorMeta, parse_placements
 from autopar.core.plan import Plan
@@ -204,7 +204,7 @@ def compile_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, m
     dropped (each rank keeps only its block). `plan`: a plan book (gen.plan_book, or its
     file from .to_json) of the same model, mesh and sizes: neither plan is solved again.
     """
-    opts = _device_of(model, options_with(options, {"training": False, **option_overrides}))
+    opts = _device_of(model, _generation_options(options, option_overrides))
     mesh_ = Mesh.of(mesh)
     check_launch_layout(mesh_, opts.nodes)
     cached = CachedLM(model.eval(), max_batch, max_cache_len)
@@ -224,12 +224,20 @@ def plan_for_generation(model: nn.Module, *, mesh: Any, max_batch: int = 1, max_
     would make with these arguments, as a book; `compile_for_generation(..., plan=book or
     its file)` then solves neither. Decode is planned first and prefill keeps its
     parameter and cache layouts, as on the ranks."""
-    opts = options_with(options, {"training": False, **option_overrides})
+    opts = _generation_options(options, option_overrides)
     mesh_ = Mesh.of(mesh)
     cached = CachedLM(model.eval(), max_batch, max_cache_len)
     local = LocalBuffers(tuple(cached.cache_names()), (0, 1), _cache_layout(cache_layout, cached, mesh_))
     steps = Generator(cached, cached.shape, max_cache_len if prefill_len is None else prefill_len).step_inputs()
     return planner.plan_steps(cached, steps, mesh_, opts, local)
+
+
+def _generation_options(options: Optional[Options], overrides: dict) -> Options:
+    opts = options_with(options, {"training": False, **overrides})
+    if opts.sharded_outputs:
+        raise OptionsError("generation with sharded_outputs=True: the generator picks each next token from the "
+                           "logits whole on every rank; plan it without sharded_outputs")
+    return opts
 
 
 def _cache_layout(text: Optional[str], cached: CachedLM, mesh: Mesh) -> Any:

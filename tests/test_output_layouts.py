@@ -70,3 +70,8 @@ def test_many_outputs_keep_the_largest_free_within_the_cap():
 def test_sharded_outputs_with_a_pipeline_or_dynamic_shapes_is_refused(kw, says):
     with pytest.raises(OptionsError, match=f"sharded_outputs=True.*{says}"):
         Options(sharded_outputs=True, **kw)
+
+
+def test_generation_with_sharded_outputs_is_refused_before_planning():
+    with pytest.raises(OptionsError, match="generation with sharded_outputs=True"):
+        autopar.plan_for_generation(models.build("llama"), mesh=(2,), max_cache_len=16, sharded_outputs=True)
