@@ -31,7 +31,7 @@ class Layouts(Protocol):
 
 def grad_sync_axes(strategy: Layouts, position: int) -> tuple[int, ...]:
     """Mesh axes along which the consumer's copies of a replicated input each give it a
-    partial gradient, to be summed. None for the output node (no outputs of its own):
+    partial gradient, to be summed. None, (), for the output node (no outputs of its own):
     what it returns is the caller's, whose backward seeds each rank's gradient, of a
     whole output and of a split one's block alike."""
     if not strategy.outputs:

@@ -8,10 +8,13 @@
                  only the outputs autograd keeps for backward where `saved` says which
                  (passes/trace/saved.py), else all of them (an upper bound); in inference an
                  upper bound of what is live at once
-    output       what the program returns, in the layout it is returned in (whole on every
-                 rank unless the plan leaves it split): a logits tensor gathered for the
-                 user is a copy of its own beside the sharded one the op made. Counted in
-                 full even where the same tensor is also kept for backward (an upper bound)
+    output       in training, what the program returns to the caller, in the layout it is
+                 returned in (whole on every rank unless the plan leaves it split): live at
+                 the end of forward, kept or not for backward (a logits tensor gathered for
+                 the caller is a copy of its own beside the block the op made). `saved`
+                 marks the inputs returned (False: a buffer's new value, stored in the
+                 buffer). Counted again where backward also keeps the same tensor (an upper
+                 bound); in inference 0, the op outputs being counted already
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ def node_bytes(kind: NodeKind, target: Optional[Any], outputs: tuple[Spec, ...],
     """`saved`: per output, whether backward keeps it (training only; empty: all);
     `inputs`: the node's input layouts (read for the output node: what it returns)."""
     if kind is NodeKind.OUTPUT:
-        return sum(s.local_nbytes(mesh_shape) for s in inputs)
+        if not training:
+            return 0
+        returned = saved or (True,) * len(inputs)
+        return sum(s.local_nbytes(mesh_shape) for s, kept in zip(inputs, returned) if kept)
     if kind is NodeKind.PARAMETER:
         spec = outputs[0]
         local = spec.local_nbytes(mesh_shape)

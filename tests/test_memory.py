@@ -58,20 +58,29 @@ def test_training_counts_gradients_and_optimizer_state():
     assert plan.state_bytes == local_elems * (4 + 8)  # fp32 gradient + two fp32 AdamW states
 
 
-def test_an_output_returned_whole_counts_whole_on_every_rank(data_parallel_case):
-    """A batch-split op's output gathered for the user is a whole copy on each rank, beside
-    the quarter the op made: the plan's activations count both, and evaluate() agrees."""
-    from autopar.cost_models.evaluate import evaluate
-    _, x, free = data_parallel_case
-    (out,) = [n for n in free.nodes if n.kind is NodeKind.OUTPUT]
-    last = free.node(free.edges[-1].producer)
+def test_an_output_returned_whole_counts_whole_on_every_rank():
+    """Training: a batch-split op's output gathered for the caller is a whole copy on each
+    rank, live at the end of forward though backward keeps nothing of it: the plan counts
+    it beside what backward keeps, and evaluate() agrees. In inference the op outputs
+    already count (an upper bound) and the output node adds nothing."""
+    from autopar.cost_models.evaluate import evaluate, op_target
+    from autopar.cost_models.memory import node_bytes
+    model, x = MLP((256, 1024, 256)).train(), torch.randn(4096, 256)
+    plan = _plan(model, x, training=True)
+    (out,) = [n for n in plan.nodes if n.kind is NodeKind.OUTPUT]
     whole = x.shape[0] * 256 * 4
     assert out.inputs[0].is_replicated() and out.inputs[0].local_nbytes((4, 1)) == whole
-    assert last.outputs[0].local_nbytes((4, 1)) == whole // 4  # the op's own output is split
-    made = sum(n.outputs[0].local_nbytes((4, 1)) for n in free.nodes if n.kind.computes or n.kind.is_input
+    last = plan.node(next(e.producer for e in plan.edges if e.consumer == out.name))
+    assert not last.outputs[0].is_replicated()  # the op's own output is split, and not kept
+    kept = sum(node_bytes(n.kind, op_target(n.op, n.name) if n.kind.computes else None, n.outputs, (4, 1), True, 0,
+                          n.saved)
+               for n in plan.nodes if not n.kind.is_state and n.kind is not NodeKind.OUTPUT)
+    assert plan.activation_bytes == kept + whole
+    assert evaluate(plan).memory_bytes == plan.memory_bytes
+    inference = _plan(model.eval(), x)
+    made = sum(n.outputs[0].local_nbytes((4, 1)) for n in inference.nodes if n.kind.computes or n.kind.is_input
                and not n.kind.is_state)
-    assert free.activation_bytes == made + whole
-    assert evaluate(free).memory_bytes == free.memory_bytes
+    assert inference.activation_bytes == made
 
 
 def test_impossible_budget_names_budget_and_smallest_footprint(data_parallel_case):

@@ -75,3 +75,16 @@ def test_sharded_outputs_with_a_pipeline_or_dynamic_shapes_is_refused(kw, says):
 def test_generation_with_sharded_outputs_is_refused_before_planning():
     with pytest.raises(OptionsError, match="generation with sharded_outputs=True"):
         autopar.plan_for_generation(models.build("llama"), mesh=(2,), max_cache_len=16, sharded_outputs=True)
+
+
+class _Split:
+    """Stands in for a DTensor output: what the step's check looks for is full_tensor."""
+
+    def full_tensor(self) -> torch.Tensor:
+        return torch.zeros(1)
+
+
+def test_a_step_with_loss_fn_refuses_outputs_returned_split():
+    from autopar.runtime.step import one_program_step
+    with pytest.raises(OptionsError, match="returns some split, as DTensors"):
+        one_program_step(lambda: (torch.ones(1), _Split()), lambda out, target: out[0].sum(), (), {}, None)

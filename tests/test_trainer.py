@@ -156,6 +156,17 @@ def test_a_plain_model_is_refused():
         autopar.AutoparTrainer(model=torch.nn.Linear(2, 2))
 
 
+def test_a_module_returning_split_outputs_is_refused():
+    from autopar.core.options import Options
+    from autopar.runtime.module import ParallelModule
+    from autopar.tools.trainer import check_model
+    pm = ParallelModule.__new__(ParallelModule)  # the guard reads these two fields only
+    object.__setattr__(pm, "stages", None)
+    object.__setattr__(pm, "options", Options(sharded_outputs=True))
+    with pytest.raises(autopar.TrainerError, match="returns them split, as DTensors"):
+        check_model(pm)
+
+
 def test_a_logging_window_combines_steps_by_time():
     from autopar.runtime.metrics import StepMetrics, combined
     fast = StepMetrics(1.0, 100, 50.0, 1e9, 0.2, 10, "cpu")  # 2 devices: 100 tokens / 1 s / 2

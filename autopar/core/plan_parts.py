@@ -51,7 +51,9 @@ class NodeChoice:
     options: tuple[Alternative, ...] = ()  # what the solver could pick (see Plan.explain)
     group: str = ""  # the decision group's leader (a follower moves with it)
     kind: NodeKind = NodeKind.OP  # graph input (which kind), getitem, output, or an op
-    saved: tuple[bool, ...] = ()  # training: per output, whether backward keeps it (empty: all counted)
+    # training: per output, whether backward keeps it; the output node: per input, whether
+    # the caller receives it (not a buffer's new value). Empty: all counted
+    saved: tuple[bool, ...] = ()
     causal: bool = False  # sdpa with is_causal (priced by cost_models/attention.py)
 
     def __str__(self) -> str:

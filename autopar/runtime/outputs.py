@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from autopar import _compat
-from autopar.core.errors import MeshError
+from autopar.core.errors import MeshError, PlanFileError
+from autopar.core.placement import R, Shard
 from autopar.core.plan import Plan
 from autopar.passes.strategies.strategies import OUTPUT
 from autopar.passes.trace.trace import TracedGraph
@@ -28,10 +29,13 @@ def caller_outputs(outputs: Sequence[Any], traced: TracedGraph, plan: Plan, devi
         if isinstance(value, torch.Tensor):
             spec = next(asked)
             if i not in updated and not spec.is_replicated():
+                if any(p != R and not (isinstance(p, Shard) and p.unit == 1) for p in spec.placements):
+                    raise PlanFileError(f"output {i} of {traced.model_name} is returned as {spec}: a DTensor holds "
+                                        "whole blocks of even splits only (no partial sums, no S(d/u)); re-plan")
                 if device_mesh is None:
                     raise MeshError(f"output {i} of {traced.model_name} comes back split ({spec}) as a DTensor, "
-                                    "which needs a DeviceMesh spanning the world; this module runs on a sub-mesh "
-                                    "(a pipeline stage): plan it without sharded_outputs")
+                                    "which needs the mesh's DeviceMesh, and this module has none; plan it without "
+                                    "sharded_outputs")
                 value = as_dtensor(value, spec, device_mesh)
         wrapped.append(value)
     return _compat.tree_unflatten(traced.user_outputs(wrapped), traced.out_spec)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from autopar import _compat
+from autopar.core.options import OptionsError
 from autopar.core.plan import Plan
 from autopar.runtime.checkpoint_view import CheckpointView
 
@@ -42,6 +43,11 @@ def loss_input(out: Any) -> Any:
 def one_program_step(run: Callable[..., Any], loss_fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict,
                      target: Optional[torch.Tensor]) -> torch.Tensor:
     """Forward through `run`, the loss, backward; the loss, detached."""
-    loss = loss_fn(loss_input(run(*args, **kwargs)), target)
+    out = run(*args, **kwargs)
+    if any(callable(getattr(x, "full_tensor", None)) for x in _compat.tree_flatten(out)[0]):
+        raise OptionsError("pm.step(..., target=...) hands loss_fn the outputs as tensors, but this plan returns "
+                           "some split, as DTensors (sharded_outputs=True): compute the loss from pm(...)'s outputs "
+                           "yourself, or plan without sharded_outputs")
+    loss = loss_fn(loss_input(out), target)
     loss.backward()
     return loss.detach()

@@ -199,6 +199,9 @@ def check_model(model: Any) -> None:
     if model.stages is not None:
         raise TrainerError("AutoparTrainer runs plans of one program; this plan is pipelined, whose microbatches run "
                            "through torch's schedule: train it with pm.step(*args, target=...) in your own loop")
+    if model.options.sharded_outputs:
+        raise TrainerError("AutoparTrainer hands Trainer whole outputs (its evaluation concatenates logits); this "
+                           "module returns them split, as DTensors (sharded_outputs=True): compile it without")
 
 
 def check_args(args: TrainingArguments) -> None:

@@ -110,6 +110,8 @@ def _unit_bytes(sub: Plan, position: dict[str, int], blocks: int) -> tuple[list[
             params[p] += n.outputs[0].local_nbytes(shape)
         elif n.kind.computes:
             acts[p] += node_bytes(n.kind, op_target(n.op, n.name), n.outputs, shape, sub.training, 0, n.saved)
+        elif n.kind is NodeKind.OUTPUT:  # what the last stage returns (its stage plan counts it too)
+            acts[p] += node_bytes(n.kind, None, n.outputs, shape, sub.training, 0, n.saved, n.inputs)
     state = [sub.state_bytes * b // max(sub.param_bytes, 1) for b in params]
     return params, state, acts
 

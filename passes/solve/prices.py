@@ -49,4 +49,11 @@ def activation_copies(kind: NodeKind, options: Options) -> int:
 
 
 def kept_outputs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, tuple[bool, ...]]:
-    return saved_outputs(graph.traced) if costs.training else {}
+    """Training: per op, which outputs backward keeps; for the output node, which inputs
+    the caller receives (not a buffer's new value). Nothing in inference."""
+    if not costs.training:
+        return {}
+    output = next((n for n in graph.nodes if n.kind is NodeKind.OUTPUT), None)
+    updates = {u.index for u in graph.traced.buffer_updates}
+    returned = {} if output is None else {output.name: tuple(i not in updates for i in range(len(output.inputs)))}
+    return {**saved_outputs(graph.traced), **returned}
