@@ -5,6 +5,7 @@ and the plan prices and counts it so. On gloo ranks: tests/test_equivalence.py."
 from __future__ import annotations
 
 import warnings
+from functools import cache
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from autopar.tools.simulated import CHEAP_COMM
 from tests import models
 
 
+@cache  # a plan is a frozen value: the tests below share each of the two
 def _data_parallel(sharded: bool):
     m = models.build("llama").train()
     args, kwargs = models.inputs("llama", 4, 8)
