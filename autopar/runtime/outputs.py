@@ -23,7 +23,7 @@ def caller_outputs(outputs: Sequence[Any], traced: TracedGraph, plan: Plan, devi
     """The program's flat `outputs` as the caller receives them: new buffer values left
     out, split tensors as DTensors, in the model's output structure."""
     asked = iter(plan.node(OUTPUT).inputs)  # one spec per tensor output, in order
-    updated = {u.index for u in traced.buffer_updates}
+    updated = traced.updated_positions
     wrapped = []
     for i, value in enumerate(outputs):
         if isinstance(value, torch.Tensor):
@@ -39,3 +39,9 @@ def caller_outputs(outputs: Sequence[Any], traced: TracedGraph, plan: Plan, devi
                 value = as_dtensor(value, spec, device_mesh)
         wrapped.append(value)
     return _compat.tree_unflatten(traced.user_outputs(wrapped), traced.out_spec)
+
+
+def is_split(value: Any) -> bool:
+    """Whether a returned value is an output left split: a DTensor (known by what it does,
+    so that checking needs no import of torch.distributed.tensor)."""
+    return callable(getattr(value, "full_tensor", None))

@@ -18,6 +18,7 @@ from autopar import _compat
 from autopar.core.options import OptionsError
 from autopar.core.plan import Plan
 from autopar.runtime.checkpoint_view import CheckpointView
+from autopar.runtime.outputs import is_split
 
 
 class Stages(Protocol):
@@ -44,7 +45,7 @@ def one_program_step(run: Callable[..., Any], loss_fn: Callable[..., torch.Tenso
                      target: Optional[torch.Tensor]) -> torch.Tensor:
     """Forward through `run`, the loss, backward; the loss, detached."""
     out = run(*args, **kwargs)
-    if any(callable(getattr(x, "full_tensor", None)) for x in _compat.tree_flatten(out)[0]):
+    if any(is_split(x) for x in _compat.tree_flatten(out)[0]):
         raise OptionsError("pm.step(..., target=...) hands loss_fn the outputs as tensors, but this plan returns "
                            "some split, as DTensors (sharded_outputs=True): compute the loss from pm(...)'s outputs "
                            "yourself, or plan without sharded_outputs")

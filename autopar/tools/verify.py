@@ -26,6 +26,7 @@ from autopar.core.placement import Partial, local_chunk
 from autopar.passes.lower.emit import full_inputs, local_inputs
 from autopar.passes.trace.trace import flatten_inputs, kv_cache_off
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.outputs import is_split
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def _float_leaves(out: Any) -> list[torch.Tensor]:
     """The floating-point tensors of an output, an output left split (a DTensor,
     Options.sharded_outputs) gathered whole, its gradient flowing back to the block."""
     leaves = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return [t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t for t in leaves]
+    return [t.full_tensor() if is_split(t) else t for t in leaves]
 
 
 def _loss(leaves: list[torch.Tensor]) -> torch.Tensor:

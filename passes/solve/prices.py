@@ -8,7 +8,7 @@ from autopar.core.kinds import NodeKind
 from autopar.core.options import Options
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
-from autopar.passes.strategies.strategies import AnnotatedGraph
+from autopar.passes.strategies.strategies import OUTPUT, AnnotatedGraph
 from autopar.passes.trace.saved import saved_outputs
 
 
@@ -53,7 +53,7 @@ def kept_outputs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, tuple[boo
     the caller receives (not a buffer's new value). Nothing in inference."""
     if not costs.training:
         return {}
-    output = next((n for n in graph.nodes if n.kind is NodeKind.OUTPUT), None)
-    updates = {u.index for u in graph.traced.buffer_updates}
-    returned = {} if output is None else {output.name: tuple(i not in updates for i in range(len(output.inputs)))}
+    output = graph.by_name.get(OUTPUT)
+    updated = graph.traced.updated_positions
+    returned = {} if output is None else {OUTPUT: tuple(i not in updated for i in range(len(output.inputs)))}
     return {**saved_outputs(graph.traced), **returned}

@@ -24,22 +24,21 @@ from dataclasses import replace
 from itertools import product
 from math import prod
 
-from autopar.core.kinds import NodeKind
 from autopar.core.placement import Spec
 from autopar.passes.rules import Strategy
-from autopar.passes.strategies.strategies import AnnotatedGraph, layouts
+from autopar.passes.strategies.strategies import OUTPUT, AnnotatedGraph, layouts
 
 MAX_CHOICES = 512
 
 
 def outputs_left_split(graph: AnnotatedGraph) -> AnnotatedGraph:
     """`graph` with its output node offering every allowed layout of each output."""
-    output = next((n for n in graph.nodes if n.kind is NodeKind.OUTPUT), None)
+    output = graph.by_name.get(OUTPUT)
     if output is None or len(output.strategies) != 1:
         return graph
     asked = output.strategies[0].inputs
-    updates = {u.index for u in graph.traced.buffer_updates}
-    options = [[spec] if i in updates else layouts(spec.meta, graph.mesh) for i, spec in enumerate(asked)]
+    updated = graph.traced.updated_positions
+    options = [[spec] if i in updated else layouts(spec.meta, graph.mesh) for i, spec in enumerate(asked)]
     by_size = sorted(range(len(asked)), key=lambda i: (_nbytes(asked[i]), -i))
     for i in by_size:  # the smallest outputs give up their freedom first
         if prod(len(o) for o in options) <= MAX_CHOICES:

@@ -64,9 +64,8 @@ class GraphInput:
 
 @dataclass(frozen=True)
 class BufferUpdate:
-    """Graph output `index` is the new value of buffer `target` (torch.export's
-    BUFFER_MUTATION output): after each call every rank stores its block of it, under
-    the layout of the buffer's placeholder `placeholder`."""
+    """Graph output `index` is the new value of buffer `target` (torch.export's BUFFER_MUTATION
+    output): each rank stores its block of it, in the layout of its placeholder `placeholder`."""
 
     index: int
     target: str  # state-dict name
@@ -88,10 +87,13 @@ class TracedGraph:
     buffer_updates: tuple[BufferUpdate, ...] = ()  # graph outputs that are new buffer values
     symbolic: tuple[SymbolicDim, ...] = ()  # symbolic input dims (passes/trace/dynamic.py); () when static
 
+    @property
+    def updated_positions(self) -> frozenset[int]:  # program outputs that are new buffer values
+        return frozenset(u.index for u in self.buffer_updates)
+
     def user_outputs(self, outputs: Any) -> list:
-        """The model's own output leaves among the program's outputs (its out_spec's),
-        without the new buffer values."""
-        updated = {u.index for u in self.buffer_updates}
+        """The model's own output leaves among the program's outputs (its out_spec's)."""
+        updated = self.updated_positions
         return _compat.tree_flatten([o for i, o in enumerate(outputs) if i not in updated])[0]
 
     def updated_buffers(self, outputs: Any) -> dict:
