@@ -19,8 +19,10 @@ solve, plan read-back (and for a pipeline, the split and every stage's own plan)
    (goal under 60 s); the Llama-3-8B shape at 131072 tokens (batch 1, bf16, 70 GiB) on (8,)
    and on (8, 8) over 8 nodes (goal: proven optimal in under 60 s).
 
-Every shape is planned in a process of its own, so each row's peak memory (the largest
-resident set of that process) is that shape's alone. The last lines give each shape's
+Every shape is planned in a process of its own, so each row's peak memory is that shape's
+alone: the largest resident set of that process, plus, where it planned pipeline stages in
+forked workers (passes/plan/forked.py), the largest worker's times the workers that run at
+once (one per usable core): a bound on all of them together. The last lines give each shape's
 seconds and peak memory.
 """
 
@@ -33,12 +35,14 @@ import resource
 import statistics
 import time
 import warnings
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.passes.plan.forked import usable_cores  # noqa: E402
 from autopar.tools.zoo import build  # noqa: E402
 
 SHAPES = (("gpt2-small", {"n_layer": 12}, "GPT-2 12L"), ("gpt2-small", {"n_layer": 24}, "GPT-2 24L"),
@@ -109,11 +113,21 @@ def _row(job: tuple) -> dict:
             "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
 
+def _child(job: tuple, queue: Any) -> None:
+    row = _row(job)
+    worker_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
+    forked = row["chose"].startswith("pipeline")  # stage plans are made in forked workers
+    queue.put({**row, "peak_gb": row["peak_gb"] + forked * usable_cores() * worker_gb})
+
+
 def in_own_process(job: tuple) -> dict:
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        row = pool.apply(_row, (job,))
-        pool.close()
-        pool.join()
+    """_row in a fresh (spawned, not daemonic: its planning may fork workers) process."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(job, queue))
+    proc.start()
+    row = queue.get()
+    proc.join()
     return row
 
 

@@ -31,10 +31,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from autopar.core.log import logged
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, stage_mesh
 from autopar.core.plan import Plan
 from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
+from autopar.passes.plan.forked import map_forked
 from autopar.passes.plan.planning import plan_traced, trace_for_planning
 from autopar.passes.trace.trace import TracedGraph, cast_floating
 
@@ -66,6 +68,7 @@ def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, 
                 module.__dict__.pop(attr, None)
 
 
+@logged("split", lambda split: f"{len(split.modules)} stage modules")
 def split_stages(model: nn.Module, mb_args: tuple, mb_kwargs: dict, pipeline: PipelinePlan,
                  training: bool, param_dtype: Optional[torch.dtype] = None) -> StageSplit:
     """Step 2, for one microbatch of inputs. Under `param_dtype` (Options.param_dtype) the
@@ -166,23 +169,25 @@ def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
     graph (passes/plan/hand_plans.py hand_pins; None: autopar chooses them all).
     `rank_budget`: the bytes a pipeline rank holding several stages (interleaved) may
     use; what its stages' plans leave of it goes to those that gave up speed for their
-    share (spend_slack)."""
+    share (spend_slack). The stages are traced and solved side by side, in forked
+    workers (passes/plan/forked.py)."""
     p = plan.pipeline
     split = split_stages(model, mb_args, mb_kwargs, p, plan.training, options_of(p.stages[0]).param_dtype)
     sub = stage_mesh(plan.mesh, p.axis)
-    traces, out = [], []
-    for stage in p.stages:
-        options = options_of(stage)
+
+    def traced(stage: Stage) -> TracedGraph:
         args, kwargs = stage_inputs(split, stage.index, mb_args, mb_kwargs)
-        traced = trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
-                                    options.param_dtype)
-        traces.append(traced)
-        out.append(plan_traced(traced, sub, options, pins_of(traced) if pins_of else None)[1])
+        return trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
+                                  options_of(stage).param_dtype)
+
+    def planned(stage: Stage, options: Options) -> Plan:
+        graph = traced(stage)
+        return plan_traced(graph, sub, options, pins_of(graph) if pins_of else None)[1]
+    out = map_forked(lambda stage: planned(stage, options_of(stage)), p.stages)
     if rank_budget is None:
         return tuple(out)
-    return spend_slack(out, p.stages, rank_budget, lambda stage, budget: plan_traced(
-        traces[stage.index], sub, replace(options_of(stage), memory_budget_bytes=budget),
-        pins_of(traces[stage.index]) if pins_of else None)[1])
+    return spend_slack(out, p.stages, rank_budget,
+                       lambda stage, budget: planned(stage, replace(options_of(stage), memory_budget_bytes=budget)))
 
 
 # a stage plan within this fraction of its budget was bound by it (may be faster with more)

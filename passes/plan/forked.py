@@ -1,0 +1,74 @@
+"""Independent planning jobs in forked worker processes, one per free core.
+
+    plans = map_forked(plan_stage, range(stages))   # plan_stage(0), plan_stage(1), ... in order
+
+A pipeline's stages are traced and solved independently of each other (each its own
+torch.export and its own ILP), and both are mostly Python: threads would take turns on
+one interpreter lock, processes run side by side. The workers are forked, so they
+inherit what the caller built (the model split into stage modules, the options) and
+only each job's index goes to them and its picklable result (a Plan) comes back.
+
+Every job is deterministic and independent, so the results are those of a loop running
+them one after another, and so is a failure: the first job, in order, that fails is
+raised (its exception pickled back), the jobs after it cancelled. Where the platform
+does not fork (macOS spawns, Windows has no fork), where one core is free or there is one
+job, and in a daemonic process (a multiprocessing pool's worker may not have children),
+the loop runs here instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+# the job function the forked workers run: set before they fork, read in them by index
+_JOB: Optional[Callable[[Any], Any]] = None
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def forks() -> bool:
+    """Whether jobs may run in forked processes here: Linux (fork is safe there for a
+    process that does not touch the parent's CUDA context or threads, as these jobs do
+    not), more than one core, and not a daemonic process."""
+    return sys.platform.startswith("linux") and usable_cores() > 1 and not multiprocessing.current_process().daemon
+
+
+def map_forked(job: Callable[[Any], Any], items: Iterable[Any], workers: Optional[int] = None) -> list[Any]:
+    """[job(item) for item in items], the jobs in forked workers (at most `workers`, or
+    one per usable core) where forks() allows and there is more than one job."""
+    items = list(items)
+    count = min(len(items), workers or usable_cores())
+    if count < 2 or not forks():
+        return [job(item) for item in items]
+    global _JOB
+    _JOB = job
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork of a process with threads
+            with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork")) as pool:
+                futures = [pool.submit(_run, item) for item in items]
+                try:
+                    return [f.result() for f in futures]
+                finally:
+                    for f in futures:
+                        f.cancel()
+    finally:
+        _JOB = None
+
+
+def _run(item: Any) -> Any:
+    """One job in a worker, on one torch thread: a parent's OpenMP thread pool does not
+    survive the fork (an op entering a parallel region in the child waits forever on
+    threads it does not have), and the workers are already one per core."""
+    assert _JOB is not None, "map_forked's job is set before its workers fork"
+    torch.set_num_threads(1)
+    return _JOB(item)
