@@ -48,14 +48,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.core.errors import MeshError
+from autopar.core.errors import FingerprintMismatchError, MeshError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.lower.emit import check_fingerprint
-from autopar.passes.plan.pipeline import microbatch_inputs, stage_solve_options
+from autopar.passes.plan.block_sample import alike_blocks
+from autopar.passes.plan.pipeline import microbatch_inputs, priced_trace, stage_solve_options
 from autopar.passes.plan.planner import plan_model
 from autopar.passes.plan.pipeline_relay import Relayed
 from autopar.passes.plan.pipeline_stages import computing_in, split_stages, stage_inputs, stage_options
@@ -301,11 +302,25 @@ class PipelineStages:
 def _checked(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, options: Options) -> Plan:
     """A given plan, after checking it was made for this model and these inputs (the
     first rank traces; a FingerprintMismatchError reaches every rank). A pipelined plan
-    carries the graph of one microbatch (passes/plan/pipeline.py), a plain one the whole
-    batch's."""
-    if plan.pipeline is not None:
-        args, kwargs = microbatch_inputs(args, kwargs, plan.pipeline.microbatches)
-    check_fingerprint(plan, trace_for_planning(model, args, kwargs, options.param_dtype), "the given plan")
+    carries the graph its split was priced on, one microbatch through a sample of the
+    model's alike blocks or through the whole model (passes/plan/pipeline.py
+    priced_trace), a plain one the whole batch's; each stage plan is checked where its
+    stage's ranks trace it."""
+    if plan.pipeline is None:
+        check_fingerprint(plan, trace_for_planning(model, args, kwargs, options.param_dtype), "the given plan")
+        return plan
+    args, kwargs = microbatch_inputs(args, kwargs, plan.pipeline.microbatches)
+    sample = alike_blocks(model)
+    sampled = priced_trace(model, args, kwargs, options.param_dtype, sample) if sample else None
+    if sampled is not None and sampled.fingerprint == plan.fingerprint:
+        if sample.blocks != plan.pipeline.blocks:
+            raise FingerprintMismatchError(
+                f"the given plan splits {plan.pipeline.blocks} blocks of {plan.pipeline.container} into stages, but "
+                f"this {sampled.model_name} has {sample.blocks}; re-plan for this model",
+                expected=f"{plan.fingerprint} x {plan.pipeline.blocks} blocks",
+                found=f"{sampled.fingerprint} x {sample.blocks} blocks")
+        return plan
+    check_fingerprint(plan, priced_trace(model, args, kwargs, options.param_dtype), "the given plan")
     return plan
 
 

@@ -4,7 +4,10 @@
 
 1. The sub-mesh is the mesh without the pipeline axis; the intra-op ILP (passes/solve/solve.py)
    plans the whole graph at microbatch size on it, once per sub-mesh shape (memoised:
-   every axis of a (2, 2, 2) mesh leaves the same (2, 2) sub-mesh).
+   every axis of a (2, 2, 2) mesh leaves the same (2, 2) sub-mesh). Where the model's
+   blocks are alike, the graph is that of a sample of them, its prices stretched to the
+   whole model's blocks (passes/plan/block_sample.py): a few blocks traced and solved,
+   whatever the depth.
 2. The repeated blocks (passes/clusters.find_blocks; the container with the most) are the
    units a stage is made of (passes/plan/pipeline_units.py). Each node's price in that plan
    (its compute and the reshards into it) and its bytes go to its unit: a block, or the
@@ -39,10 +42,15 @@
    (with_stage_plans). Under "auto", a pipelined candidate one of whose stage graphs does
    not fit (its share of the budget, where the split's prices said it would) gives way to
    the next candidate, cheapest first; a PipelineMemoryError only when none is left.
+   The stages are traced and solved side by side in forked workers (passes/plan/forked.py).
+   The plan carries the fingerprint of the graph its split was priced on (priced_trace),
+   each stage plan its stage's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -59,6 +67,7 @@ from autopar.core.plan import Plan
 from autopar.core.plan_parts import SolverReport
 from autopar.cost_models.devices import memory_budget, preset
 from autopar.cost_models.model import CostModel
+from autopar.passes.plan.block_sample import BlockSample, alike_blocks, cut, stretched
 from autopar.passes.plan.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
                                          split_frontier, split_stages)
 from autopar.passes.plan.pipeline_stages import Pins, stage_options, stage_plans
@@ -116,10 +125,12 @@ def step_time(stages: tuple[Stage, ...], ranks: int, microbatches: int) -> tuple
 
 class SubMeshSolves:
     """The intra-op plan of the microbatch graph per sub-mesh shape, solved once each, and
-    under a budget its frontier of leaner plans (pipeline_units.lean_frontier), likewise."""
+    under a budget its frontier of leaner plans (pipeline_units.lean_frontier), likewise.
+    `sample`: the graph is that of a sample of the model's alike blocks
+    (passes/plan/block_sample.py), whose Units are stretched to the whole model's."""
 
-    def __init__(self, traced: TracedGraph, options: Options) -> None:
-        self.traced, self.options = traced, options
+    def __init__(self, traced: TracedGraph, options: Options, sample: Optional[BlockSample] = None) -> None:
+        self.traced, self.options, self.sample = traced, options, sample
         self._done: dict[tuple, tuple[AnnotatedGraph, Plan]] = {}
         self._frontiers: dict[tuple, tuple[Units, ...]] = {}
 
@@ -132,14 +143,32 @@ class SubMeshSolves:
             self._done[key] = (graph, plan_annotated(graph, options))
         return self._done[key]
 
+    def fastest(self, mesh: Mesh, axis: int) -> tuple[Units, Plan]:
+        """Units of the sub-mesh plan (the whole model's), and that plan."""
+        graph, sub = self(mesh, axis)
+        return self._whole(units_of(graph, sub, stage_costs(_stage_options(self.options, mesh, axis), sub))), sub
+
     def leaner(self, mesh: Mesh, axis: int) -> tuple[Units, ...]:
         """Units of the sub-mesh plan's leaner plans (memory priced), leanest last."""
         options = _stage_options(self.options, mesh, axis)
         key = (stage_mesh(mesh, axis).shape, options.nodes)
         if key not in self._frontiers:
             graph, fastest = self(mesh, axis)
-            self._frontiers[key] = lean_frontier(graph, fastest, options)
+            self._frontiers[key] = tuple(self._whole(u) for u in lean_frontier(graph, fastest, options))
         return self._frontiers[key]
+
+    def _whole(self, units: Units) -> Units:
+        if self.sample is None:
+            return units
+        whole = stretched(units, self.sample)
+        if whole is None:
+            raise UnlikeSample(self.sample)
+        return whole
+
+
+class UnlikeSample(Exception):
+    """The sample's inner blocks are priced differently: it does not stand for the model's
+    blocks (plan_model traces the whole graph instead)."""
 
 
 def _budget(options: Options) -> "int | None":
@@ -167,14 +196,13 @@ def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
 
 def pipelined_plan(solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:
     """The best pipelined plan with `axis` as the pipeline axis (steps 1-4). It carries
-    the microbatch graph's fingerprint (what a given pipelined plan is checked against:
-    runtime/stages.py)."""
+    the priced graph's fingerprint (priced_trace; what a given pipelined plan is checked
+    against: runtime/stages.py)."""
     micro = solves.traced
     schedule, microbatches = Schedule.of(options.pipeline_schedule), options.microbatches
     check_request(mesh.shape, axis, microbatches)
     ranks = mesh.shape[axis]
-    graph, sub = solves(mesh, axis)
-    fastest = units_of(graph, sub, stage_costs(_stage_options(options, mesh, axis), sub))
+    fastest, sub = solves.fastest(mesh, axis)
     n_stages = ranks * schedule.chunks_per_rank
     if n_stages > len(fastest.block_s):
         raise PipelineError(f"pipeline axis {axis} of mesh {mesh.shape} asks for {n_stages} stages ({ranks} ranks x "
@@ -281,6 +309,14 @@ def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> 
                    state_bytes=state, activation_bytes=acts, solver=_pipeline_report(plan.solver, step_s))
 
 
+def priced_trace(model: torch.nn.Module, micro_args: tuple, micro_kwargs: dict, param_dtype: Optional[torch.dtype],
+                 sample: Optional[BlockSample] = None) -> TracedGraph:
+    """The graph the stage split is priced on: one microbatch through the model, with its
+    block container cut to the sample's blocks where `sample` is given (block_sample.py)."""
+    with cut(model, sample) if sample else contextlib.nullcontext():
+        return trace_for_planning(model, micro_args, micro_kwargs, param_dtype)
+
+
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
                pins_of: Optional[Pins] = None) -> Plan:
     """autopar.plan with Options.pipeline_axis set: trace at one microbatch (and at the
@@ -293,12 +329,19 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
     (passes/plan/hand_plans.py); the split is still the one autopar's prices choose."""
     check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
-    micro = trace_for_planning(model, micro_args, micro_kwargs, options.param_dtype)
 
+    @functools.cache
     def plain() -> Plan:
         return plan_traced(trace_for_planning(model, args, kwargs, options.param_dtype), mesh, options)[1]
+    sample = alike_blocks(model) if options.cost_model is not CostSource.PROFILE else None
+    try:
+        micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype, sample)
+        candidates = ranked_plans(micro, mesh, options, plain, sample)
+    except UnlikeSample:
+        micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype)
+        candidates = ranked_plans(micro, mesh, options, plain)
     refused: list[MemoryBudgetError] = []
-    for plan in ranked_plans(micro, mesh, options, plain):
+    for plan in candidates:
         if plan.pipeline is None or options.cost_model is CostSource.PROFILE:
             return plan  # a profile times each stage where it runs
         try:
@@ -324,13 +367,14 @@ def stage_plans_within_budget(model: torch.nn.Module, micro_args: tuple, micro_k
                                   plan.pipeline.schedule.value) from e
 
 
-def ranked_plans(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any) -> list[Plan]:
+def ranked_plans(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any,
+                 sample: Optional[BlockSample] = None) -> list[Plan]:
     """Options.pipeline_axis: an axis (that axis pipelines: one candidate) or "auto" (step
     5: the plain plan and a pipeline on each axis longer than 1, those that fit, cheapest
     first). `plain` is a function of no arguments returning the unpipelined plan (solved
     only for "auto"). A MemoryBudgetError where none fits: the one whose plan comes closest."""
     axis = options.pipeline_axis
-    solves = SubMeshSolves(micro, options)
+    solves = SubMeshSolves(micro, options, sample)
     if axis is not PipelineAxis.AUTO:
         return [pipelined_plan(solves, mesh, axis, options)]
     fits, refused = [], []  # under a budget, a pipeline that fits beats a plain plan that does not

@@ -101,18 +101,20 @@ def _unit_bytes(sub: Plan, position: dict[str, int], blocks: int) -> tuple[list[
     """Each block's (parameter, gradient + optimiser state, kept activation) bytes per rank
     in the sub-mesh plan; what comes before the blocks counts with block 0 and what comes
     after with the last (their stages hold them). The state is the plan's, shared out in
-    proportion to parameter bytes."""
-    params, acts = [0] * blocks, [0] * blocks
+    proportion to the bytes of floating parameters (buffers have none)."""
+    params, trained, acts = [0] * blocks, [0] * blocks, [0] * blocks
     shape = sub.mesh.shape
     for n in sub.nodes:
         p = min(max(position[n.name], 0), blocks - 1)
         if n.kind.is_state:
             params[p] += n.outputs[0].local_nbytes(shape)
+            if n.kind is NodeKind.PARAMETER and n.outputs[0].meta.dtype.is_floating_point:
+                trained[p] += n.outputs[0].local_nbytes(shape)
         elif n.kind.computes:
             acts[p] += node_bytes(n.kind, op_target(n.op, n.name), n.outputs, shape, sub.training, 0, n.saved)
         elif n.kind is NodeKind.OUTPUT:  # what the last stage returns (its stage plan counts it too)
             acts[p] += node_bytes(n.kind, None, n.outputs, shape, sub.training, 0, n.saved, n.inputs)
-    state = [sub.state_bytes * b // max(sub.param_bytes, 1) for b in params]
+    state = [sub.state_bytes * b // max(sum(trained), 1) for b in trained]
     return params, state, acts
 
 
