@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.core.errors import FingerprintMismatchError
+from autopar.core.errors import FingerprintMismatchError, MemoryBudgetError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.passes.plan import block_sample, forked, pipeline
-from autopar.passes.plan.block_sample import BlockSample, alike_blocks, cut, stretched
-from autopar.passes.plan.pipeline import SubMeshSolves, microbatch_inputs, priced_trace
+from autopar.passes.plan.block_sample import BlockSample, alike_blocks, cut, priced_trace, stretched
+from autopar.passes.plan.pipeline import SubMeshSolves, microbatch_inputs
 from autopar.passes.plan.planning import trace_for_planning
 from autopar.runtime.stages import _checked
 from tests.models import MLP, build, inputs
@@ -123,8 +123,8 @@ def test_blocks_that_compute_by_their_place_are_priced_whole(monkeypatch):
     model = _Stack(6).train()
     x = torch.randn(4, 8, 16)
     traced = []
-    real = pipeline.trace_for_planning
-    monkeypatch.setattr(pipeline, "trace_for_planning", lambda *a, **k: traced.append(real(*a, **k)) or traced[-1])
+    real = block_sample.trace_for_planning
+    monkeypatch.setattr(block_sample, "trace_for_planning", lambda *a, **k: traced.append(real(*a, **k)) or traced[-1])
     assert alike_blocks(model) == BlockSample("blocks", 6)
     plan = autopar.plan(model, (x,), {}, mesh=(2, 2), pipeline_axis=0, microbatches=2)
     assert [len(t.gm.graph.nodes) < len(traced[-1].gm.graph.nodes) for t in traced] == [True, False]
@@ -154,3 +154,30 @@ def test_forked_jobs_come_back_in_order_and_the_first_failure_is_raised():
     with pytest.raises(ValueError, match="job 2 fails"):
         forked.map_forked(job, range(5))
     assert forked.map_forked(job, [0, 1], workers=1) == [0, 1]  # one worker: here, in order
+    with forked.started(lambda: job(1) + os.getpid()) as one, forked.started(lambda: job(2)) as two:
+        assert one() - here != 1 or not forked.forks()  # made in another process
+        assert isinstance(two(), ValueError) and str(two()) == "job 2 fails"
+        with pytest.raises(ValueError, match="job 2 fails"):
+            forked.raised(two())
+
+
+@pytest.mark.slow
+def test_auto_with_the_plain_plan_made_in_a_worker_chooses_as_in_one_process(monkeypatch):
+    """pipeline_axis="auto" with workers: the plain plan is made in one while the cheapest
+    pipeline gets its stage plans; the choice is the one-process loop's, whether the plain
+    plan wins (a tiny model) or does not fit (then the pipeline, with its stage plans)."""
+    model, kw = _llama(6)
+    request = dict(mesh=(2, 2), pipeline_axis="auto", microbatches=2)
+
+    def plain_does_not_fit(traced, mesh, options, *a, **k):
+        raise MemoryBudgetError(10**6, 2 * 10**6)
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(pipeline, "plan_traced", plain_does_not_fit)
+        ahead = autopar.plan(model, (), kw, **request)
+        with monkeypatch.context() as m:
+            m.setattr(forked, "forks", lambda: False)
+            alone = autopar.plan(model, (), kw, **request)
+        assert (ahead.pipeline is None) == (alone.pipeline is None) == (not patch)
+        assert ahead.total_s == alone.total_s and ahead.fingerprint == alone.fingerprint
+        assert [p.fingerprint for p in ahead.stage_plans] == [p.fingerprint for p in alone.stage_plans]

@@ -55,8 +55,8 @@ from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.lower.emit import check_fingerprint
-from autopar.passes.plan.block_sample import alike_blocks
-from autopar.passes.plan.pipeline import microbatch_inputs, priced_trace, stage_solve_options
+from autopar.passes.plan.block_sample import alike_blocks, priced_trace
+from autopar.passes.plan.pipeline import microbatch_inputs, stage_solve_options
 from autopar.passes.plan.planner import plan_model
 from autopar.passes.plan.pipeline_relay import Relayed
 from autopar.passes.plan.pipeline_stages import computing_in, split_stages, stage_inputs, stage_options
@@ -303,7 +303,7 @@ def _checked(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, options: O
     """A given plan, after checking it was made for this model and these inputs (the
     first rank traces; a FingerprintMismatchError reaches every rank). A pipelined plan
     carries the graph its split was priced on, one microbatch through a sample of the
-    model's alike blocks or through the whole model (passes/plan/pipeline.py
+    model's alike blocks or through the whole model (passes/plan/block_sample.py
     priced_trace), a plain one the whole batch's; each stage plan is checked where its
     stage's ranks trace it."""
     if plan.pipeline is None:

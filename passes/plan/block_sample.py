@@ -20,14 +20,16 @@ priced so: every stage's own plan is solved on its own traced graph afterwards.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 import math
 from typing import Any, Iterator, Optional
 
+import torch
 from torch import nn
 
 from autopar.passes.plan.pipeline_split import Units
+from autopar.passes.plan.planning import trace_for_planning
 
 SAMPLE = 4  # first, two inner (compared with each other), last
 PLAIN_TYPES = (bool, int, float, str, tuple, type(None))
@@ -39,6 +41,11 @@ class BlockSample:
 
     container: str  # module path of the ModuleList, as the traced graph names it ("model.layers")
     blocks: int
+
+
+class UnlikeSample(Exception):
+    """The sample's inner blocks are priced differently: it does not stand for the model's
+    blocks (plan_model traces the whole graph instead)."""
 
 
 def alike_blocks(model: nn.Module) -> Optional[BlockSample]:
@@ -118,3 +125,11 @@ def stretched(units: Units, sample: BlockSample) -> Optional[Units]:
 
 def _same(a: Any, b: Any) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) if isinstance(a, float) else a == b
+
+
+def priced_trace(model: nn.Module, micro_args: tuple, micro_kwargs: dict, param_dtype: Optional[torch.dtype],
+                 sample: Optional[BlockSample] = None) -> TracedGraph:
+    """The graph the stage split is priced on: one microbatch through the model, with its
+    block container cut to the sample's blocks where `sample` is given (block_sample.py)."""
+    with cut(model, sample) if sample else nullcontext():
+        return trace_for_planning(model, micro_args, micro_kwargs, param_dtype)

@@ -34,7 +34,9 @@
 5. pipeline_axis="auto": every axis of size > 1 whose stages fit the blocks is tried
    against the plain ILP over the whole mesh at the full batch; the cheapest wins (ties:
    the plain plan, then the lower axis). Under a budget a candidate that does not fit
-   drops out, so a pipeline that fits wins over a plain plan that does not.
+   drops out, so a pipeline that fits wins over a plain plan that does not. Where workers
+   fork (passes/plan/forked.py), the plain plan is made in one while the cheapest pipeline
+   gets its stage plans (step 6) ahead of the choice, which is the same either way.
 6. The chosen split's stages are traced and each solved on the sub-mesh under the budget,
    its activations counted once per microbatch in flight (stage_solve_options): parameters
    stored sharded and gathered at use, blocks recomputed, exactly as a plain plan under a
@@ -43,7 +45,7 @@
    not fit (its share of the budget, where the split's prices said it would) gives way to
    the next candidate, cheapest first; a PipelineMemoryError only when none is left.
    The stages are traced and solved side by side in forked workers (passes/plan/forked.py).
-   The plan carries the fingerprint of the graph its split was priced on (priced_trace),
+   The plan carries the fingerprint of the graph its split was priced on (block_sample.priced_trace),
    each stage plan its stage's.
 """
 
@@ -67,7 +69,8 @@ from autopar.core.plan import Plan
 from autopar.core.plan_parts import SolverReport
 from autopar.cost_models.devices import memory_budget, preset
 from autopar.cost_models.model import CostModel
-from autopar.passes.plan.block_sample import BlockSample, alike_blocks, cut, stretched
+from autopar.passes.plan import forked
+from autopar.passes.plan.block_sample import BlockSample, UnlikeSample, alike_blocks, priced_trace, stretched
 from autopar.passes.plan.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
                                          split_frontier, split_stages)
 from autopar.passes.plan.pipeline_stages import Pins, stage_options, stage_plans
@@ -166,11 +169,6 @@ class SubMeshSolves:
         return whole
 
 
-class UnlikeSample(Exception):
-    """The sample's inner blocks are priced differently: it does not stand for the model's
-    blocks (plan_model traces the whole graph instead)."""
-
-
 def _budget(options: Options) -> "int | None":
     """Options.memory_budget_bytes as bytes ("auto": from the detected device, none for a
     saved profile's plan, as passes/solve/solve.py has it)."""
@@ -196,7 +194,7 @@ def _stage_options(options: Options, mesh: Mesh, axis: int) -> Options:
 
 def pipelined_plan(solves: SubMeshSolves, mesh: Mesh, axis: int, options: Options) -> Plan:
     """The best pipelined plan with `axis` as the pipeline axis (steps 1-4). It carries
-    the priced graph's fingerprint (priced_trace; what a given pipelined plan is checked
+    the priced graph's fingerprint (block_sample.priced_trace; what a given pipelined plan is checked
     against: runtime/stages.py)."""
     micro = solves.traced
     schedule, microbatches = Schedule.of(options.pipeline_schedule), options.microbatches
@@ -309,14 +307,6 @@ def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> 
                    state_bytes=state, activation_bytes=acts, solver=_pipeline_report(plan.solver, step_s))
 
 
-def priced_trace(model: torch.nn.Module, micro_args: tuple, micro_kwargs: dict, param_dtype: Optional[torch.dtype],
-                 sample: Optional[BlockSample] = None) -> TracedGraph:
-    """The graph the stage split is priced on: one microbatch through the model, with its
-    block container cut to the sample's blocks where `sample` is given (block_sample.py)."""
-    with cut(model, sample) if sample else contextlib.nullcontext():
-        return trace_for_planning(model, micro_args, micro_kwargs, param_dtype)
-
-
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
                pins_of: Optional[Pins] = None) -> Plan:
     """autopar.plan with Options.pipeline_axis set: trace at one microbatch (and at the
@@ -329,24 +319,35 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
     (passes/plan/hand_plans.py); the split is still the one autopar's prices choose."""
     check_request(mesh.shape, options.pipeline_axis, options.microbatches)
     micro_args, micro_kwargs = microbatch_inputs(args, kwargs, options.microbatches)
+    staged: dict[int, Any] = {}  # pipeline axis -> the candidate with its stage plans, or why it has none
 
-    @functools.cache
-    def plain() -> Plan:
+    def with_stages(plan: Plan) -> Any:
+        if plan.pipeline.axis not in staged:
+            staged[plan.pipeline.axis] = forked.outcome_of(lambda: with_stage_plans(plan, stage_plans_within_budget(
+                model, micro_args, micro_kwargs, plan, options, pins_of), options))
+        return staged[plan.pipeline.axis]
+
+    def plain_plan() -> Plan:
         return plan_traced(trace_for_planning(model, args, kwargs, options.param_dtype), mesh, options)[1]
-    sample = alike_blocks(model) if options.cost_model is not CostSource.PROFILE else None
-    try:
-        micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype, sample)
-        candidates = ranked_plans(micro, mesh, options, plain, sample)
-    except UnlikeSample:
-        micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype)
-        candidates = ranked_plans(micro, mesh, options, plain)
+    # "auto" with workers: the plain plan is made in one while the cheapest pipeline gets its stage plans
+    ahead = options.pipeline_axis is PipelineAxis.AUTO and options.cost_model is not CostSource.PROFILE
+    with forked.started(plain_plan) if ahead else contextlib.nullcontext(functools.cache(plain_plan)) as plain:
+        def meanwhile(fits: list[Plan]) -> None:
+            if ahead and fits and forked.forks():
+                with_stages(min(fits, key=lambda plan: plan.total_s))
+        sample = alike_blocks(model) if options.cost_model is not CostSource.PROFILE else None
+        try:
+            micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype, sample)
+            candidates = ranked_plans(micro, mesh, options, lambda: forked.raised(plain()), sample, meanwhile)
+        except UnlikeSample:
+            micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype)
+            candidates = ranked_plans(micro, mesh, options, lambda: forked.raised(plain()), None, meanwhile)
     refused: list[MemoryBudgetError] = []
     for plan in candidates:
         if plan.pipeline is None or options.cost_model is CostSource.PROFILE:
             return plan  # a profile times each stage where it runs
         try:
-            return with_stage_plans(plan, stage_plans_within_budget(model, micro_args, micro_kwargs, plan, options,
-                                                                    pins_of), options)
+            return forked.raised(with_stages(plan))
         except PipelineMemoryError as e:
             refused.append(e)
     raise min(refused, key=lambda e: e.smallest_bytes)
@@ -367,21 +368,18 @@ def stage_plans_within_budget(model: torch.nn.Module, micro_args: tuple, micro_k
                                   plan.pipeline.schedule.value) from e
 
 
-def ranked_plans(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any,
-                 sample: Optional[BlockSample] = None) -> list[Plan]:
+def ranked_plans(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any, sample: Optional[BlockSample] = None,
+                 meanwhile: Callable[[list[Plan]], None] = lambda fits: None) -> list[Plan]:
     """Options.pipeline_axis: an axis (that axis pipelines: one candidate) or "auto" (step
     5: the plain plan and a pipeline on each axis longer than 1, those that fit, cheapest
     first). `plain` is a function of no arguments returning the unpipelined plan (solved
-    only for "auto"). A MemoryBudgetError where none fits: the one whose plan comes closest."""
+    only for "auto", after the pipelines, once meanwhile(the pipelines that fit) has run).
+    A MemoryBudgetError where none fits: the one whose plan comes closest."""
     axis = options.pipeline_axis
     solves = SubMeshSolves(micro, options, sample)
     if axis is not PipelineAxis.AUTO:
         return [pipelined_plan(solves, mesh, axis, options)]
     fits, refused = [], []  # under a budget, a pipeline that fits beats a plain plan that does not
-    try:
-        fits.append(plain())
-    except MemoryBudgetError as e:
-        refused.append(e)
     for a, size in enumerate(mesh.shape):
         if size == 1:
             continue
@@ -391,6 +389,11 @@ def ranked_plans(micro: TracedGraph, mesh: Mesh, options: Options, plain: Any,
             refused.append(e)
         except PipelineError:
             continue  # more stages than blocks on this axis: not a candidate
+    meanwhile(fits)
+    try:
+        fits.insert(0, plain())
+    except MemoryBudgetError as e:
+        refused.insert(0, e)
     if not fits:  # nothing fits: the error whose plan comes closest
         raise min(refused, key=lambda e: e.smallest_bytes)
     return sorted(fits, key=lambda plan: plan.total_s)  # stable: the plain plan first on a tie
