@@ -38,6 +38,8 @@ def test_alike_blocks_are_found_and_unlike_ones_are_not():
     model.model.layers[3].self_attn.scaling = 0.5  # one block computes otherwise
     assert alike_blocks(model) is None
     assert alike_blocks(MLP((16,) * 8)) == BlockSample("layers", 7)
+    experts = nn.ModuleList(nn.Sequential(nn.ModuleList(nn.Linear(4, 4) for _ in range(8))) for _ in range(5))
+    assert alike_blocks(nn.ModuleDict({"layers": experts})) == BlockSample("layers", 5)  # not a block's experts
 
 
 def test_cut_holds_the_sample_and_puts_the_blocks_back():
@@ -84,7 +86,7 @@ def test_a_sample_whose_inner_blocks_differ_is_not_stretched():
 @pytest.mark.slow
 def test_the_pipelined_plan_is_the_one_priced_on_the_whole_graph(monkeypatch):
     model, kw = _llama(6)
-    request = dict(mesh=(2, 2, 2), pipeline_axis=0, microbatches=2)
+    request = dict(mesh=(2, 2), pipeline_axis=0, microbatches=2)
     sampled = autopar.plan(model, (), kw, **request)
     monkeypatch.setattr(pipeline, "alike_blocks", lambda model: None)
     whole = autopar.plan(model, (), kw, **request)

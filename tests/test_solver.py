@@ -125,7 +125,7 @@ def test_training_plan_counts_backward():
     assert training.total_s > inference.total_s
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "llama", "mlp"])  # fast set: 4 min
 @pytest.mark.parametrize("mesh", [(1, 4), pytest.param((2, 2), marks=pytest.mark.slow)])
 def test_solver_never_costs_more_than_hand_plans(name, mesh):
     from autopar.passes.plan.hand_plans import hand_plan

@@ -55,7 +55,7 @@ from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.lower.emit import check_fingerprint
-from autopar.passes.plan.block_sample import alike_blocks, priced_trace
+from autopar.passes.plan.block_sample import alike_blocks, priced_trace, sampled_trace
 from autopar.passes.plan.pipeline import microbatch_inputs, stage_solve_options
 from autopar.passes.plan.planner import plan_model
 from autopar.passes.plan.pipeline_relay import Relayed
@@ -310,9 +310,8 @@ def _checked(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, options: O
         check_fingerprint(plan, trace_for_planning(model, args, kwargs, options.param_dtype), "the given plan")
         return plan
     args, kwargs = microbatch_inputs(args, kwargs, plan.pipeline.microbatches)
-    sample = alike_blocks(model)
-    sampled = priced_trace(model, args, kwargs, options.param_dtype, sample) if sample else None
-    if sampled is not None and sampled.fingerprint == plan.fingerprint:
+    sampled, sample = sampled_trace(model, args, kwargs, options.param_dtype, alike_blocks(model))
+    if sample is not None and sampled.fingerprint == plan.fingerprint:
         if sample.blocks != plan.pipeline.blocks:
             raise FingerprintMismatchError(
                 f"the given plan splits {plan.pipeline.blocks} blocks of {plan.pipeline.container} into stages, but "
@@ -320,7 +319,8 @@ def _checked(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, options: O
                 expected=f"{plan.fingerprint} x {plan.pipeline.blocks} blocks",
                 found=f"{sampled.fingerprint} x {sample.blocks} blocks")
         return plan
-    check_fingerprint(plan, priced_trace(model, args, kwargs, options.param_dtype), "the given plan")
+    whole = sampled if sample is None else priced_trace(model, args, kwargs, options.param_dtype)
+    check_fingerprint(plan, whole, "the given plan")
     return plan
 
 

@@ -28,8 +28,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from autopar.core.errors import TraceError
 from autopar.passes.plan.pipeline_split import Units
 from autopar.passes.plan.planning import trace_for_planning
+from autopar.passes.trace.trace import TracedGraph
 
 SAMPLE = 4  # first, two inner (compared with each other), last
 PLAIN_TYPES = (bool, int, float, str, tuple, type(None))
@@ -49,10 +51,12 @@ class UnlikeSample(Exception):
 
 
 def alike_blocks(model: nn.Module) -> Optional[BlockSample]:
-    """The model's block container (the ModuleList or Sequential with the most children)
-    when it has more than SAMPLE blocks and they are alike (module docstring); else None."""
+    """The model's block container (of the ModuleLists and Sequentials outside any block,
+    as passes/strategies/clusters.py finds blocks, the one with the most children) when
+    it has more than SAMPLE blocks and they are alike (module docstring); else None."""
     lists = [(len(m), path) for path, m in model.named_modules()
-             if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and len(m) > SAMPLE]
+             if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and len(m) > SAMPLE
+             and not any(part.isdigit() for part in path.split("."))]  # not inside a block (experts)
     if not lists:
         return None
     _, path = min(lists, key=lambda x: (-x[0], x[1]))
@@ -66,8 +70,8 @@ def alike_blocks(model: nn.Module) -> Optional[BlockSample]:
 def _signature(block: nn.Module) -> tuple:
     """What makes blocks alike: state names, shapes and dtypes; each submodule's class and
     plain attributes."""
-    state = tuple((name, tuple(t.shape), t.dtype) for name, t in
-                  list(block.named_parameters(remove_duplicate=False)) + list(block.named_buffers(remove_duplicate=False)))
+    tensors = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
+    state = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
     attributes = tuple((name, type(sub).__qualname__,
                         tuple(sorted((k, v) for k, v in vars(sub).items()
                                      if not k.startswith("_") and isinstance(v, PLAIN_TYPES))))
@@ -133,3 +137,15 @@ def priced_trace(model: nn.Module, micro_args: tuple, micro_kwargs: dict, param_
     block container cut to the sample's blocks where `sample` is given (block_sample.py)."""
     with cut(model, sample) if sample else nullcontext():
         return trace_for_planning(model, micro_args, micro_kwargs, param_dtype)
+
+
+def sampled_trace(model: nn.Module, micro_args: tuple, micro_kwargs: dict, param_dtype: Optional[torch.dtype],
+                  sample: Optional[BlockSample]) -> tuple[TracedGraph, Optional[BlockSample]]:
+    """(priced_trace with `sample`, sample), or of the whole graph and None where the model
+    cut to the sample does not trace (a forward that needs all its blocks)."""
+    if sample is not None:
+        try:
+            return priced_trace(model, micro_args, micro_kwargs, param_dtype, sample), sample
+        except TraceError:
+            pass
+    return priced_trace(model, micro_args, micro_kwargs, param_dtype), None

@@ -9,14 +9,15 @@ A pipeline's stages are traced and solved independently of each other (each its 
 torch.export and its own ILP), and both are mostly Python: threads would take turns on
 one interpreter lock, processes run side by side. The workers are forked, so they
 inherit what the caller built (the model split into stage modules, the options) and
-only each job's index goes to them and its picklable result (a Plan) comes back.
+only each job's item goes to them and its picklable result (a Plan) comes back.
 
 Every job is deterministic and independent, so the results are those of a loop running
 them one after another, and so is a failure: the first job, in order, that fails is
 raised (its exception pickled back), the jobs after it cancelled. Where the platform
 does not fork (macOS spawns, Windows has no fork), where one core is free or there is one
-job, and in a daemonic process (a multiprocessing pool's worker may not have children),
-the loop runs here instead (and `started` runs its job when its outcome is asked for).
+job, in a daemonic process (a multiprocessing pool's worker may not have children) and
+where CUDA is initialised (a forked child cannot use it), the loop runs here instead
+(and `started` runs its job when its outcome is first asked for).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def usable_cores() -> int:
 
 
 def forks() -> bool:
-    """Whether jobs may run in forked processes here: Linux (fork is safe there for a
-    process that does not touch the parent's CUDA context or threads, as these jobs do
-    not), more than one core, and not a daemonic process."""
-    return sys.platform.startswith("linux") and usable_cores() > 1 and not multiprocessing.current_process().daemon
+    """Whether jobs may run in forked processes here: Linux, more than one core, not a
+    daemonic process, and CUDA not initialised (a forked child cannot use its parent's
+    CUDA context, and tracing a model on the GPU would)."""
+    return (sys.platform.startswith("linux") and usable_cores() > 1 and not multiprocessing.current_process().daemon
+            and not torch.cuda.is_initialized())
 
 
 def map_forked(job: Callable[[Any], Any], items: Iterable[Any], workers: Optional[int] = None) -> list[Any]:

@@ -70,7 +70,8 @@ from autopar.core.plan_parts import SolverReport
 from autopar.cost_models.devices import memory_budget, preset
 from autopar.cost_models.model import CostModel
 from autopar.passes.plan import forked
-from autopar.passes.plan.block_sample import BlockSample, UnlikeSample, alike_blocks, priced_trace, stretched
+from autopar.passes.plan.block_sample import (BlockSample, UnlikeSample, alike_blocks, priced_trace, sampled_trace,
+                                              stretched)
 from autopar.passes.plan.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
                                          split_frontier, split_stages)
 from autopar.passes.plan.pipeline_stages import Pins, stage_options, stage_plans
@@ -336,8 +337,8 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, op
             if ahead and fits and forked.forks():
                 with_stages(min(fits, key=lambda plan: plan.total_s))
         sample = alike_blocks(model) if options.cost_model is not CostSource.PROFILE else None
+        micro, sample = sampled_trace(model, micro_args, micro_kwargs, options.param_dtype, sample)
         try:
-            micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype, sample)
             candidates = ranked_plans(micro, mesh, options, lambda: forked.raised(plain()), sample, meanwhile)
         except UnlikeSample:
             micro = priced_trace(model, micro_args, micro_kwargs, options.param_dtype)
