@@ -83,13 +83,22 @@ def test_a_sample_whose_inner_blocks_differ_is_not_stretched():
     assert stretched(alike, BlockSample("model.other", 6)) is None  # not the container the graph split
 
 
-@pytest.mark.slow
-def test_the_pipelined_plan_is_the_one_priced_on_the_whole_graph(monkeypatch):
+@pytest.fixture(scope="module")
+def llama6_plans():
+    """Llama with 6 blocks pipelined on (2, 2): (model, inputs, the plan priced on its sample,
+    the plan priced on its whole graph)."""
     model, kw = _llama(6)
     request = dict(mesh=(2, 2), pipeline_axis=0, microbatches=2)
     sampled = autopar.plan(model, (), kw, **request)
-    monkeypatch.setattr(pipeline, "alike_blocks", lambda model: None)
-    whole = autopar.plan(model, (), kw, **request)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(pipeline, "alike_blocks", lambda model: None)
+        whole = autopar.plan(model, (), kw, **request)
+    return model, kw, sampled, whole
+
+
+@pytest.mark.slow
+def test_the_pipelined_plan_is_the_one_priced_on_the_whole_graph(llama6_plans):
+    model, kw, sampled, whole = llama6_plans
     assert sampled.pipeline.stages == whole.pipeline.stages
     assert sampled.total_s == pytest.approx(whole.total_s, rel=1e-12)
     assert [p.fingerprint for p in sampled.stage_plans] == [p.fingerprint for p in whole.stage_plans]
@@ -135,9 +144,8 @@ def test_blocks_that_compute_by_their_place_are_priced_whole(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_given_plan_for_another_depth_is_refused():
-    model, kw = _llama(6)
-    plan = autopar.plan(model, (), kw, mesh=(2, 2), pipeline_axis=0, microbatches=2)
+def test_a_given_plan_for_another_depth_is_refused(llama6_plans):
+    _, kw, plan, _ = llama6_plans
     deeper, _ = _llama(8)
     with pytest.raises(FingerprintMismatchError, match="splits 6 blocks of model.layers into stages, but this "
                                                        "LlamaForCausalLM has 8"):
