@@ -14,6 +14,7 @@ import autopar
 from autopar.core.pipeline import PipelineError, Schedule, Stage
 from autopar.core.plan import Plan
 from autopar.passes.plan.pipeline import Units, microbatch_inputs, split_stages, stage_values, step_time
+from autopar.passes.plan.block_sample import alike_blocks
 from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
 from autopar.passes.plan.pipeline_stages import _stage_examples, check_skips, split_model
 from tests.models import build, inputs
@@ -431,8 +432,9 @@ def test_pipelined_losses_and_gradients_match_one_device():
     in 4 stages on (4, 2) under 1F1B (its rotary tables, made before the first block,
     relayed to every stage); a plan for other shapes refused; "auto" keeping the plain plan
     steps one ParallelModule over (2, 4); an MLP in 4 stages on 2 pipeline ranks of (2, 4)
-    under interleaved 1F1B; GPT-2 on (2, 2, 2) under 1F1B (2 stages), its plan made offline
-    and read from a file. Every stage all-reduces its data-parallel gradients once a step."""
+    under interleaved 1F1B; GPT-2 with 6 layers on (2, 2, 2) under 1F1B (2 stages), its
+    split priced on a sample of its blocks, its plan made offline, read from a file and
+    checked against the sample on the ranks. Every stage all-reduces its data-parallel gradients once a step."""
     from tests.harness import run_ranks
     cases = [(pipeline_case, dict(family="gpt2", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
@@ -441,7 +443,7 @@ def test_pipelined_losses_and_gradients_match_one_device():
              (mismatch_case, {}), (plain_case, {}), (interleaved_case, dict(mesh=(2, 4))),
              (pipeline_case, dict(family="llama", mesh=(4, 2), axis=0, schedule="1f1b", layers=4,
                                   microbatches=4, batch=8)),
-             (pipeline_case, dict(family="gpt2", mesh=(2, 2, 2), axis=0, schedule="1f1b", offline=True))]
+             (pipeline_case, dict(family="gpt2", mesh=(2, 2, 2), axis=0, schedule="1f1b", offline=True, layers=6))]
     results = run_ranks(8, cases)
     for i in (0, 1, 3, 4, 5, 6):
         _check_pipeline(results, i)
@@ -449,7 +451,8 @@ def test_pipelined_losses_and_gradients_match_one_device():
     assert results[0][0]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert results[0][1]["stages"] == [(0, 1), (1, 2)]
     assert results[0][5]["stages"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert results[0][6]["stages"] == [(0, 1), (1, 2)]
+    assert len(results[0][6]["stages"]) == 2 and results[0][6]["stages"][-1][1] == 6
+    assert alike_blocks(build("gpt2", n_layer=6)) is not None  # its split priced on a 4-block sample
     # the stages' own plans split some input they receive, so the gradients sent back are
     # assembled from blocks (runtime/stages.py step 4), not merely passed through
     assert sum(r[i]["split_inputs"] for r in results for i in range(2)) > 0

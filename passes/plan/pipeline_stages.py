@@ -24,6 +24,7 @@ it), so the stage graphs a rank traces have the fingerprints the plans were made
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
@@ -175,6 +176,7 @@ def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
     split = split_stages(model, mb_args, mb_kwargs, p, plan.training, options_of(p.stages[0]).param_dtype)
     sub = stage_mesh(plan.mesh, p.axis)
 
+    @functools.cache  # spend_slack solves a stage again: traced once here (in the workers: each its own)
     def traced(stage: Stage) -> TracedGraph:
         args, kwargs = stage_inputs(split, stage.index, mb_args, mb_kwargs)
         return trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
