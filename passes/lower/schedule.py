@@ -9,8 +9,13 @@ does not need the result. Backward follows: the wait's backward launches the con
 collective and the start's backward finishes it (autopar/runtime/step_runner.py), so a
 start placed early is also a backward collective finished late.
 
-1. Starts are issued as early as their input exists, in their original order (every
-   rank runs the same schedule, so every process group sees one order of collectives).
+1. Starts are issued as soon as their input exists; starts ready at once go in their
+   original order. The order is a function of the program alone, so every rank, running
+   the same program, issues one order of collectives on every process group. A start
+   whose input is still missing holds back no other (a two-step reshard's second start
+   waits for its first step's result, and the activations started behind it need not:
+   each runs beside the compute between its producer and its consumer, the window
+   cost_models/overlap.py prices).
 2. A start whose input is a program input (a parameter's gather, FSDP's) is also issued
    no later than right after the previous use of any program input's collective, ahead
    of its turn if need be, so it runs beside at least the compute between the two uses
@@ -23,6 +28,7 @@ Nodes keep their names; the graph's meaning does not change, only its order.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from torch import fx
@@ -72,7 +78,15 @@ class _Order:
         self.body = [n for n in nodes if n.op not in ("placeholder", "output")
                      and n not in start_set and n not in self.waits]
         self.inflight: OrderedDict[fx.Node, int] = OrderedDict()
-        self.next_start = 0  # starts are issued in their original order (1.)
+        # 1. starts whose inputs all exist, by original order; a start joins when its last input is emitted
+        self.turn = {s: i for i, s in enumerate(self.starts)}
+        self.missing = {s: len(set(s.all_input_nodes) - self.done) for s in self.starts}
+        self.waiting_on: dict[fx.Node, list[fx.Node]] = {}
+        for s in self.starts:
+            for d in set(s.all_input_nodes) - self.done:
+                self.waiting_on.setdefault(d, []).append(s)
+        self.ready: list[int] = [i for i, s in enumerate(self.starts) if not self.missing[s]]
+        heapq.heapify(self.ready)
         # 2. prefetched starts, each issued by the previous use (a trigger node) at the latest
         self.prefetched: dict[fx.Node, list[fx.Node]] = {}
         for start in self._prefetch_triggers():
@@ -114,11 +128,6 @@ class _Order:
         if node in self.waits:
             self.require(self.start_of[node])
         elif node in self.wait_of:
-            if self._is_prefetched(node):  # needed before its turn and its trigger
-                self._issue(node)
-                return
-            while self.starts[self.next_start] is not node:  # keep the starts' order
-                self.require(self.starts[self.next_start])
             self._issue(node)
             return
         for dep in node.all_input_nodes:
@@ -126,12 +135,12 @@ class _Order:
         self._emit(node)
 
     def issue_ready_starts(self) -> None:
-        """Issue the next starts whose inputs exist, while the cap allows (step 1, 4)."""
-        self._skip_issued()
-        while self.next_start < len(self.starts):
-            start = self.starts[self.next_start]
-            if not all(d in self.done for d in start.all_input_nodes):
-                return
+        """Issue the starts whose inputs exist, in their original order, while the cap allows (step 1, 4)."""
+        while self.ready:
+            start = self.starts[self.ready[0]]
+            if start in self.done:
+                heapq.heappop(self.ready)
+                continue
             if self.inflight and sum(self.inflight.values()) + self.bytes[start] > self.cap_bytes:
                 return
             self._issue(start)
@@ -143,17 +152,15 @@ class _Order:
             self.require(self.wait_of[next(iter(self.inflight))])  # retire the oldest (step 4)
         self._emit(start)
         self.inflight[start] = self.bytes[start]
-        self._skip_issued()
-
-    def _skip_issued(self) -> None:
-        """Move the in-order pointer past starts already issued (prefetched ahead of their turn)."""
-        while self.next_start < len(self.starts) and self.starts[self.next_start] in self.done:
-            self.next_start += 1
 
     def _emit(self, node: fx.Node) -> None:
         self.emitted.append(node)
         self.done.add(node)
         self.inflight.pop(self.start_of.get(node), None)
+        for start in self.waiting_on.pop(node, ()):
+            self.missing[start] -= 1
+            if not self.missing[start]:
+                heapq.heappush(self.ready, self.turn[start])
         for start in self.prefetched.pop(node, ()):  # 2. the uses after this one prefetch now
             if start not in self.done:
                 self._issue(start)
