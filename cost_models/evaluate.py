@@ -83,8 +83,8 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
                              for e in plan.edges)
     again = recompute_terms(plan.nodes, plan.edges, plan.recompute, costs)
     hidden = plan_hidden_s(plan.nodes, plan.edges, costs, least_backward_s(plan.nodes, costs),
-                           least_forward_s(plan.nodes, costs), every) if costs.training \
-        else 0.0
+                           least_forward_s(plan.nodes, costs), every) \
+        if costs.training or costs.device.collectives_beside_compute else 0.0
     return Evaluation(compute_s + again.compute_s, comm_s + again.comm_s, memory + again.memory_bytes, hidden)
 
 

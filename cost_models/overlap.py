@@ -1,6 +1,8 @@
-"""The overlapped step: how much of a training step's communication runs under its
-compute, priced the way the runtime executes it, by one formula that evaluate() and the
-solver's ILP both use (so the ILP's objective is the step evaluate() prices).
+"""The overlapped step: how much of a step's communication runs under its compute,
+priced the way the runtime executes it, by one formula that evaluate() and the solver's
+ILP both use (so the ILP's objective is the step evaluate() prices). In training all
+that follows; in inference (forward only) there are no buckets, and on presets whose
+collectives run beside compute the prefetch and activation windows' forward parts.
 
 What overlaps at run time, and what this model credits:
 
@@ -68,23 +70,46 @@ buckets after the last of its n microbatches), a bucket's reduction H costs each
 H / n (amortised_s: the rest is taken off the edge's communication), and that part is
 what hides under its stretch: min(H / n, share_e).
 
-Not modelled: the in-flight cap (it may retire a prefetched gather early) and
-activation collectives overlapping independent compute (priced blocking).
+Activation windows. On the same presets an activation edge u -> v (u an op's output,
+v an op) is started right after u and waited just before v (passes/lower/schedule.py),
+so its first step runs beside the nodes strictly between them and its conjugate beside
+their backward: its window is those positions, credited as a parameter's,
+
+    hidden_e += min(Hf_e, share_f) + min(Hb_e, share_b)
+
+Windows overlap (the q, k and v of an attention all wait before it, inside a parameter
+window), and the collectives of one rank run one after another, so no position's compute
+may be credited twice. The parameters keep their shares above, and the activations get
+what those cannot use: the parameters used at the end of a parameter window of C seconds
+are credited at most K, the sum of upper bounds on their first steps (the slowest axis's
+all-gather of the whole parameter, first_step_bound_s), so 1 - min(1, K/C) of each of the
+window's positions is left to the activation windows over it (all of a position past the
+last parameter use), split among them by the global bytes they carry. Only windows of at
+most MAX_WINDOW positions are credited: a tensor read far away (a rotary table read by
+every layer, the residual stream) would be held in flight beside many other collectives,
+and windows of one length in every copy of a repeated block keep the copies' shares equal,
+so the solver still prices the copies' edges once.
+
+Not modelled: the in-flight cap (it may retire a prefetched gather early).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from math import prod
-from typing import Hashable, Mapping, Sequence
+from typing import Hashable, Mapping, Optional, Sequence
 
 from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.options import GRADIENT_BUCKET_BYTES
 from autopar.core.placement import TensorMeta
 from autopar.core.resharding import Step
+from autopar.cost_models import comm
 from autopar.cost_models.model import CostModel
 
 BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the runtime's bucket size (autopar/runtime/buckets.py)
+WINDOW_ENDS = frozenset({NodeKind.OP, NodeKind.GETITEM})  # what an activation window runs between
+MAX_WINDOW = 32  # the longest activation window credited, in program positions (module docstring)
 
 
 @dataclass(frozen=True)
@@ -120,6 +145,31 @@ class Share:
 
 
 NO_SHARE = Share()
+
+
+@dataclass(frozen=True)
+class Window:
+    """An activation edge's window: the program positions [lo, hi) between its producer
+    and its consumer, the compute its first step runs beside, and the global bytes of the
+    tensor it carries (its claim on that compute)."""
+
+    edge: Hashable
+    lo: int
+    hi: int
+    nbytes: int
+
+
+def activation_windows(position: Mapping[str, int], edges: Sequence[tuple[str, str, int, int]],
+                       max_window: Optional[int] = None) -> list[Window]:
+    """The window of every (producer, consumer, position, bytes) edge between two ops
+    (`position` holds the ops' program positions and nothing else), keyed (consumer,
+    position), of at least one position and at most `max_window` (MAX_WINDOW)."""
+    longest = MAX_WINDOW if max_window is None else max_window
+    out = []
+    for u, v, pos, nbytes in edges:
+        if u in position and v in position and 0 < position[v] - position[u] - 1 <= longest:
+            out.append(Window((v, pos), position[u] + 1, position[v], nbytes))
+    return out
 
 
 def prefetch_hideable_s(steps: Sequence[Step], costs: CostModel) -> tuple[float, float]:
@@ -222,27 +272,81 @@ def window_shares(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse], l
     backward seconds (module docstring), split by bytes over the parameters used at its
     position."""
     nbytes = dict(params)
-    at: dict[int, list[ParamUse]] = {}
-    for u in uses:
-        at.setdefault(u.position, []).append(u)
     out: dict[Hashable, tuple[float, float]] = {}
     previous = -1
-    for q in sorted(at):
+    for q, at_q in _uses_by_position(uses):
         forward, backward = sum(least_forward_s[previous + 1:q]), sum(least_backward_s[previous + 1:q])
-        total = sum(nbytes[u.param] for u in at[q])
-        for u in at[q]:
-            part = nbytes[u.param] / total if total else 1.0 / len(at[q])
+        total = sum(nbytes[u.param] for u in at_q)
+        for u in at_q:
+            part = nbytes[u.param] / total if total else 1.0 / len(at_q)
             out[u.edge] = (forward * part, backward * part)
         previous = q
     return out
 
 
+def _uses_by_position(uses: Sequence[ParamUse]) -> list[tuple[int, list[ParamUse]]]:
+    at: dict[int, list[ParamUse]] = {}
+    for u in uses:
+        at.setdefault(u.position, []).append(u)
+    return sorted(at.items(), key=lambda kv: kv[0])
+
+
+def left_by_parameters(uses: Sequence[ParamUse], least_s: Sequence[float], bound_s: Mapping[str, float]) -> list[float]:
+    """Per position, the seconds no parameter edge can be credited: in a parameter window
+    of C seconds whose parameters' first steps take at most K seconds together (`bound_s`
+    per parameter use), the parameters are credited at most min(K, C), so 1 - min(1, K/C)
+    of each of its positions is left; past the last parameter use, all of it."""
+    left = list(least_s)
+    previous = -1
+    for q, at_q in _uses_by_position(uses):
+        window = least_s[previous + 1:q]
+        compute, need = sum(window), sum(bound_s[u.param] for u in at_q)
+        keep = 0.0 if compute <= need else 1.0 - need / compute
+        left[previous + 1:q] = [s * keep for s in window]
+        previous = q
+    return left
+
+
+def activation_shares(windows: Sequence[Window], left_s: Sequence[float]) -> dict[Hashable, float]:
+    """Per activation window, its part of the seconds the parameters leave over its
+    positions, each position's split among the windows over it by their bytes."""
+    claims = [0] * (len(left_s) + 1)
+    for w in windows:
+        for i in range(w.lo, w.hi):
+            claims[i] += w.nbytes
+    return {w.edge: sum(s * (w.nbytes / claims[i]) if claims[i] != w.nbytes else s
+                        for i, s in enumerate(left_s[w.lo:w.hi], w.lo)) for w in windows}
+
+
+def first_step_bound_s(nbytes: int, costs: CostModel) -> tuple[float, float]:
+    """Upper bounds on the forward and the backward seconds of a parameter edge's first
+    step, for a parameter of `nbytes` global bytes: the slowest axis's all-gather and
+    reduce-scatter of all of them (the step is an all-gather or a cheaper all-to-all of at
+    most the whole parameter, its backward the conjugate)."""
+    def slowest(kind: str) -> float:
+        links = [(n, costs.measured_links.get((axis, kind)) or costs.link(axis)) for axis, n in enumerate(costs.mesh_shape)]
+        return max((comm.all_gather_s(nbytes, n, link) + costs.collective_sync_s for n, link in links if n > 1),
+                   default=0.0)
+    return slowest("all_gather"), slowest("reduce_scatter")
+
+
 def edge_share_table(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse], least_forward_s: Sequence[float],
-                     least_backward_s: Sequence[float], sync_every: int = 1) -> dict[Hashable, Share]:
-    """Share per parameter edge: its bucket's (edge_shares) and its window's (window_shares)."""
+                     least_backward_s: Sequence[float], sync_every: int = 1, activations: Sequence[Window] = (),
+                     bound_s: Mapping[str, tuple[float, float]] = MappingProxyType({})) -> dict[Hashable, Share]:
+    """Share per parameter edge (its bucket's, edge_shares, and its window's,
+    window_shares) and per activation window (activation_shares of what the parameters
+    leave, `bound_s`: first_step_bound_s per parameter)."""
     buckets = edge_shares(params, uses, least_backward_s)
     windows = window_shares(params, uses, least_forward_s, least_backward_s)
-    return {e: Share(buckets[e], *windows[e], sync_every) for e in buckets}
+    table = {e: Share(buckets[e], *windows[e], sync_every) for e in buckets}
+    if activations:
+        forward = activation_shares(activations, left_by_parameters(uses, least_forward_s,
+                                                                    {p: b[0] for p, b in bound_s.items()}))
+        backward = activation_shares(activations, left_by_parameters(uses, least_backward_s,
+                                                                     {p: b[1] for p, b in bound_s.items()}))
+        for w in activations:
+            table[w.edge] = Share(0.0, forward[w.edge], backward[w.edge])
+    return table
 
 
 def credit_s(hideable: float, share: float) -> float:
@@ -256,12 +360,20 @@ def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_back
     order) and edges (EdgePlan); `least_backward_s`, `least_forward_s`: per node, the
     least backward and forward seconds of its strategies (evaluate.least_backward_s);
     `sync_every`: Options.grad_sync_every."""
-    if not costs.training:
+    if not costs.training and not costs.device.collectives_beside_compute:
         return 0.0
     params = [(n.name, global_nbytes(n.outputs[0].meta)) for n in nodes if n.kind is NodeKind.PARAMETER]
     position = {n.name: i for i, n in enumerate(nodes)}
     uses = parameter_uses(params, position, [(e.producer, e.consumer, e.position) for e in edges])
-    shares = edge_share_table(params, uses, least_forward_s, least_backward_s, sync_every)
+    windows, bounds = [], {}
+    if costs.device.collectives_beside_compute:
+        by_name = {n.name: n for n in nodes}
+        ops = {n.name: i for i, n in enumerate(nodes) if n.kind in WINDOW_ENDS}
+        windows = activation_windows(ops, [(e.producer, e.consumer, e.position,
+                                            global_nbytes(by_name[e.producer].outputs[e.index].meta))
+                                           for e in edges if e.producer in ops])
+        bounds = {p: first_step_bound_s(b, costs) for p, b in params}
+    shares = edge_share_table(params, uses, least_forward_s, least_backward_s, sync_every, windows, bounds)
     return sum(hidden_s(e.steps, costs, shares[(e.consumer, e.position)])
                for e in edges if (e.consumer, e.position) in shares)
 

@@ -14,8 +14,11 @@ from autopar.cost_models import comm
 from autopar.cost_models.devices import DeviceSpec, Link
 from autopar.cost_models.evaluate import evaluate
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import (BUCKET_BYTES, Bucket, ParamUse, credit_s, edge_shares, grad_buckets,
-                                         stretches)
+from autopar.cost_models import overlap
+from autopar.cost_models.overlap import (BUCKET_BYTES, MAX_WINDOW, Bucket, ParamUse, Window, activation_windows,
+                                         credit_s, edge_share_table, edge_shares, grad_buckets,
+                                         left_by_parameters, stretches)
+from tests import models
 from tests.models import MLP
 
 MIB = 2**20
@@ -208,6 +211,22 @@ def test_a_prefetched_gather_hides_under_the_compute_since_the_previous_use():
     assert ev.hidden_s == pytest.approx(plan.hidden_s, rel=1e-12) and ev.total_s == pytest.approx(plan.total_s)
 
 
+def test_inference_on_a_gpu_preset_hides_the_prefetched_gathers_forward():
+    # no backward, no buckets: each gather hides under the relu before its linear, forward only
+    with torch.device("meta"):
+        model = MLP((2048, 2048, 2048, 2048), bias=False).eval()
+        x = torch.randn(8192, 2048)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.hand_plan(model, (x,), mesh=(4,), style="fsdp", device="h100")
+    gather = comm.all_gather_s(16 * MIB, 4, plan.links[0].link)
+    relus = [n for n in plan.nodes if n.op == "aten.relu.default"]
+    assert plan.hidden_s == pytest.approx(sum(min(gather, min(a.compute_s for a in n.options)) for n in relus),
+                                          rel=1e-9)
+    assert plan.hidden_s > 0 and evaluate(plan).hidden_s == pytest.approx(plan.hidden_s, rel=1e-12)
+    assert plan.solver.objective_s == pytest.approx(plan.total_s, rel=1e-6)
+
+
 def test_the_cpu_preset_credits_no_prefetch():
     # gloo on shared cores: a collective competes with compute for the same cores
     assert _fsdp_mlp_plan("cpu").hidden_s == 0.0
@@ -252,3 +271,56 @@ def test_the_schedule_prefetches_each_gather_by_the_previous_use():
         lo = uses[at - 1] if at else 0
         compute = [n.name for n in nodes[lo + 1:index[s]] if n.op == "call_function" and n.target is not getitem]
         assert not compute, (s.name, compute)
+
+
+# ---- activation windows (GPU presets) -----------------------------------------------
+
+def test_an_activation_window_is_the_positions_between_its_ends():
+    position = {"a": 0, "b": 1, "c": 2, "d": 5, "far": 60}
+    edges = [("a", "b", 0, 8), ("a", "d", 1, 8), ("c", "d", 0, 4), ("p", "d", 2, 8), ("a", "far", 0, 8)]
+    windows = activation_windows(position, edges)
+    # a -> b are neighbours (nothing between), p is no op, a -> far is longer than MAX_WINDOW
+    assert windows == [Window(("d", 1), 1, 5, 8), Window(("d", 0), 3, 5, 4)]
+    assert MAX_WINDOW < 59
+
+
+def test_activations_get_what_the_parameters_cannot_use_split_by_bytes():
+    least = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+    # w is used at 0 (an empty window before it), v at 3: v's window is positions 1, 2 (6 s)
+    # and v's first step takes at most 1.5 s, so a quarter of each is the parameters' and
+    # three quarters are left; position 0 (a use) and those past the last use are all left
+    params, uses = [("w", 4), ("v", 4)], [ParamUse("w", 0, "ew"), ParamUse("v", 3, "ev")]
+    left = left_by_parameters(uses, least, {"w": 9.0, "v": 1.5})
+    assert left == [1.0, 1.5, 3.0, 8.0, 16.0, 32.0]
+    # x (2 bytes) covers 1..3, y (6 bytes) 2..5: a position both cover is split 2:6
+    windows = [Window("x", 1, 4, 2), Window("y", 2, 6, 6)]
+    table = edge_share_table(params, uses, least, least, activations=windows,
+                             bound_s={"w": (9.0, 9.0), "v": (1.5, 1.5)})
+    assert table["x"].window_forward_s == pytest.approx(1.5 + 3.0 * 2 / 8 + 8.0 * 2 / 8)
+    assert table["y"].window_backward_s == pytest.approx(3.0 * 6 / 8 + 8.0 * 6 / 8 + 16.0 + 32.0)
+    # the parameters' shares are what they are without activation windows
+    assert table["ev"] == edge_share_table(params, uses, least, least)["ev"]
+    # never credited twice: v's credit is at most 1.5 of its window, the windows get the rest
+    assert 1.5 + table["x"].window_forward_s + table["y"].window_forward_s == pytest.approx(sum(least[1:]))
+
+
+def _fsdp_cp_plan(device: str):
+    m = models.build("llama").train()
+    args, kwargs = models.inputs("llama", batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.hand_plan(m, args, kwargs, mesh=(4,), style="fsdp_cp", device=device)
+
+
+def test_keys_and_values_gathered_beside_compute_are_credited_and_priced_alike(monkeypatch):
+    # fsdp_cp: keys and values are gathered along the sequence before attention, and the
+    # gather of the keys runs beside the values' compute. On a GPU preset the plan,
+    # evaluate() and the solver's objective credit it alike; without activation windows
+    # the same plan hides less; on the CPU preset nothing hides
+    plan = _fsdp_cp_plan("h100")
+    ev = evaluate(plan)
+    assert ev.hidden_s == pytest.approx(plan.hidden_s, rel=1e-12) and ev.total_s == pytest.approx(plan.total_s)
+    assert plan.solver.objective_s == pytest.approx(plan.total_s, rel=1e-6)
+    monkeypatch.setattr(overlap, "MAX_WINDOW", 0)
+    assert evaluate(plan).hidden_s < plan.hidden_s
+    assert _fsdp_cp_plan("cpu").hidden_s == 0.0

@@ -142,8 +142,10 @@ def test_the_layer_graph_holds_every_edge_once_inside_a_box_or_on_a_link(plan):
         assert all(k.source != k.target for k in graph.links)
     flat, runs = layer_graph(plan, collapse=False), layer_graph(plan).boxes
     assert all(b.repeats == 1 for b in flat.boxes) and len(flat.boxes) == len(rows)
-    run = next(b for b in runs if b.repeats > 1)  # blocks 0-2 at least: the last feeds ln_f differently
-    assert run.name.startswith("transformer.h.0-") and run.repeats >= 3
+    # three of the four blocks at least: the first is fed by the embeddings, the last feeds ln_f,
+    # and either may reshard what it is fed or feeds unlike the blocks between
+    run = next(b for b in runs if b.repeats > 1)
+    assert run.name.startswith("transformer.h.") and run.repeats >= 3
     numbers = [int(r.name.rsplit(".", 1)[1]) for r in run.rows]
     assert numbers == list(range(numbers[0], numbers[0] + run.repeats))
     assert all(r.params == run.rows[0].params and r.outputs == run.rows[0].outputs for r in run.rows)

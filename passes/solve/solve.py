@@ -50,7 +50,7 @@ from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
 from autopar.passes.solve.greedy import greedy_picks
 from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
                                 memory_objective, priced_memory_objective, time_objective)
-from autopar.passes.solve.ilp_overlap import least_backward, least_forward, parameter_shares
+from autopar.passes.solve.ilp_overlap import graph_shares, least_backward, least_forward
 from autopar.passes.solve.prices import node_costs, node_memory
 from autopar.passes.solve.read_back import read_plan
 from autopar.passes.solve.recompute_ilp import block_terms
@@ -188,10 +188,13 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     compute = node_costs(graph, costs)
     forward_s = node_costs(graph, replace(costs, training=False)) if costs.training else compute
     # gradient buckets hide under backward, prefetched parameter gathers under the compute
-    # between two parameter uses: each parameter edge's shares of them (ilp_overlap.py)
-    least = least_backward(graph, compute, forward_s) if costs.training else None
+    # between two parameter uses, activation collectives on GPU presets under the compute between
+    # their two ends: each edge's shares of them (ilp_overlap.py)
+    overlapped = costs.training or costs.device.collectives_beside_compute  # inference: prefetch and activations
+    least = least_backward(graph, compute, forward_s) if overlapped else None  # all 0 in inference
     least_fwd = least_forward(graph, forward_s)
-    shares = parameter_shares(graph, least, least_fwd, options.grad_sync_every) if least is not None else {}
+    shares = graph_shares(graph, least, least_fwd, options.grad_sync_every, costs) \
+        if least is not None else {}
     model = ilp_model(graph, groups, pricer, compute, memory, blocks.rep, shares)
     forward = None
     if lean and costs.training:  # recompute can pay: the blocks and their terms
