@@ -7,11 +7,15 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
+from torch import fx
 
+from autopar.core.kinds import StepKind
+from autopar.core.resharding import Step
 from autopar.passes.lower.emit import emit
 from autopar.passes.plan.hand_plans import hand_plan
 from autopar.passes.lower.program import StepModule, WaitModule
-from autopar.passes.lower.schedule import inflight_bytes
+from autopar.passes.lower.schedule import inflight_bytes, schedule
 from autopar.passes.trace.trace import trace
 from tests import models
 from autopar.tools.simulated import simulate_against
@@ -94,3 +98,29 @@ def test_scheduled_programs_match_one_device(model, mesh, style):
         plan = hand_plan(m, args, kwargs, mesh=mesh, style=style, device="h100")
     compared = simulate_against(m, args, kwargs, trace(m, args, kwargs), plan, context=f"{model} {style}")
     assert compared > 5
+
+
+def test_a_start_still_missing_its_input_holds_back_no_later_start():
+    """c waits on a two-step reshard of a, whose second start needs the first's result;
+    e on a one-step reshard of b. b's start is issued as soon as b exists, before c runs
+    (it used to wait behind the second step of a's reshard, issued only when c needed it),
+    so it runs beside c and d; the two-step chain's order is kept."""
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a, b = graph.call_function(torch.relu, (x,)), graph.call_function(torch.sin, (x,))
+    values = {}
+    for name, source in (("a1", a), ("a2", None), ("b1", b)):
+        step = Step(StepKind.ALL_GATHER, axis=0, dim=0)
+        root.add_module(name, StepModule(step, name))
+        root.add_module(name + "_wait", WaitModule(step, name))
+        started = graph.call_module(name, (source if source is not None else values["a1"],))
+        values[name] = graph.call_module(name + "_wait", (started,))
+    c = graph.call_function(torch.add, (values["a2"], 1.0))
+    d = graph.call_function(torch.cos, (x,))
+    e = graph.call_function(torch.mul, (values["b1"], d))
+    graph.output((c, e))
+    gm = schedule(fx.GraphModule(root, graph), (4,))
+    order = [n.name for n in gm.graph.nodes]
+    assert order.index("b1") < order.index(c.name) < order.index(d.name) < order.index("b1_wait")
+    assert order.index("a1") < order.index("a1_wait") < order.index("a2") < order.index("a2_wait") < order.index(c.name)
