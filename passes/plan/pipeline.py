@@ -10,10 +10,9 @@
    whatever the depth.
 2. The repeated blocks (passes/clusters.find_blocks; the container with the most) are the
    units a stage is made of (passes/plan/pipeline_units.py). Each node's price in that plan
-   (its compute and the reshards into it) and its bytes go to its unit: a block, or the
-   part before the blocks (stage 0) or after them (last stage). With clustered twin blocks
-   the ILP picks alike for every inner block, so a block's price does not depend on which
-   stage holds it.
+   (its compute and the reshards into it) and its bytes go to its unit: a block, or the part
+   before the blocks (stage 0) or after them (last stage). With clustered twin blocks the ILP
+   picks alike for every inner block, so a block's price does not depend on its stage.
 3. Each boundary after block j carries the activations produced at or before j and read
    after it (full microbatch tensors: a stage's program returns full outputs), priced as a
    point-to-point send on the pipeline axis's link: alpha + bytes * beta, twice in
@@ -40,8 +39,8 @@
 6. The chosen split's stages are traced and each solved on the sub-mesh under the budget,
    its activations counted once per microbatch in flight (stage_solve_options): parameters
    stored sharded and gathered at use, blocks recomputed, exactly as a plain plan under a
-   budget. The plan's stage steps and its heaviest rank's bytes are then those plans'
-   (with_stage_plans). Under "auto", a pipelined candidate one of whose stage graphs does
+   budget. The plan's stage steps (overlapped, as solved) and its heaviest rank's bytes are
+   then those plans' (with_stage_plans). Under "auto", a pipelined candidate one of whose stage graphs does
    not fit (its share of the budget, where the split's prices said it would) gives way to
    the next candidate, cheapest first; a PipelineMemoryError only when none is left.
    The stages are traced and solved side by side in forked workers (passes/plan/forked.py).
@@ -286,11 +285,11 @@ def stage_solve_options(plan: Plan, options: Options) -> tuple[Options, ...]:
 
 def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> Plan:
     """`plan` with its stages' own plans, and its figures taken from them: each stage's
-    step (compute + comm: the split's prices hide nothing either) and the heaviest
+    step (its total_s, which its plan minimised; the split's prices hide nothing) and the heaviest
     pipeline rank's bytes (each stage plan counts its microbatches in flight). A rank over
     the budget (interleaved stages, each within its share, cannot be) is refused."""
     p = plan.pipeline
-    timed = tuple(replace(s, step_s=sp.compute_s + sp.comm_s) for s, sp in zip(p.stages, stages))
+    timed = tuple(replace(s, step_s=sp.total_s) for s, sp in zip(p.stages, stages))
     ranks = len({s.rank for s in timed})
     step_s, bubble_s = step_time(timed, ranks, p.microbatches)
     per_rank: dict[int, tuple[int, int, int]] = {}
@@ -301,11 +300,12 @@ def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> 
     budget = _budget(options)
     if budget is not None and params + state + acts > budget:
         raise PipelineMemoryError(budget, params + state + acts, len(timed), p.blocks, p.schedule.value)
-    serial_s = sum(sp.compute_s + sp.comm_s for sp in stages)
-    comm_share = sum(sp.comm_s for sp in stages) / serial_s if serial_s else 0.0
+    serial_s = sum(sp.total_s for sp in stages) or 1.0  # the step split as the stages' own time is
+    share = lambda seconds: step_s * sum(seconds(sp) for sp in stages) / serial_s  # noqa: E731
     return replace(plan, stage_plans=stages, pipeline=replace(p, stages=timed, bubble_s=bubble_s, step_s=step_s),
-                   compute_s=step_s * (1 - comm_share), comm_s=step_s * comm_share, param_bytes=params,
-                   state_bytes=state, activation_bytes=acts, solver=_pipeline_report(plan.solver, step_s))
+                   compute_s=share(lambda sp: sp.compute_s), comm_s=share(lambda sp: sp.comm_s),
+                   hidden_s=share(lambda sp: sp.hidden_s), param_bytes=params, state_bytes=state,
+                   activation_bytes=acts, solver=_pipeline_report(plan.solver, step_s))
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,
