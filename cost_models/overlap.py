@@ -96,9 +96,9 @@ Not modelled: the in-flight cap (it may retire a prefetched gather early).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 from math import prod
-from typing import Hashable, Mapping, Optional, Sequence
+from types import MappingProxyType
+from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 from autopar.core.kinds import NodeKind, StepKind
 from autopar.core.options import GRADIENT_BUCKET_BYTES
@@ -170,6 +170,20 @@ def activation_windows(position: Mapping[str, int], edges: Sequence[tuple[str, s
         if u in position and v in position and 0 < position[v] - position[u] - 1 <= longest:
             out.append(Window((v, pos), position[u] + 1, position[v], nbytes))
     return out
+
+
+def activation_terms(kinds: Sequence[tuple[str, NodeKind]], edges: Sequence[tuple[str, int, str, int]],
+                     nbytes_of: Callable[[str, int], int], params: Sequence[tuple[str, int]],
+                     costs: CostModel) -> tuple[list[Window], dict[str, tuple[float, float]]]:
+    """What edge_share_table needs for activation windows, for nodes (name, kind) in
+    program order and edges (producer, output, consumer, position): the windows, and
+    first_step_bound_s per parameter; none where collectives do not run beside compute.
+    `nbytes_of(producer, output)`: the global bytes of an op's output."""
+    if not costs.device.collectives_beside_compute:
+        return [], {}
+    ops = {name: i for i, (name, kind) in enumerate(kinds) if kind in WINDOW_ENDS}
+    windows = activation_windows(ops, [(u, v, pos, nbytes_of(u, k)) for u, k, v, pos in edges if u in ops])
+    return windows, {p: first_step_bound_s(b, costs) for p, b in params}
 
 
 def prefetch_hideable_s(steps: Sequence[Step], costs: CostModel) -> tuple[float, float]:
@@ -324,7 +338,8 @@ def first_step_bound_s(nbytes: int, costs: CostModel) -> tuple[float, float]:
     reduce-scatter of all of them (the step is an all-gather or a cheaper all-to-all of at
     most the whole parameter, its backward the conjugate)."""
     def slowest(kind: str) -> float:
-        links = [(n, costs.measured_links.get((axis, kind)) or costs.link(axis)) for axis, n in enumerate(costs.mesh_shape)]
+        links = [(n, costs.measured_links.get((axis, kind)) or costs.link(axis))
+                 for axis, n in enumerate(costs.mesh_shape)]
         return max((comm.all_gather_s(nbytes, n, link) + costs.collective_sync_s for n, link in links if n > 1),
                    default=0.0)
     return slowest("all_gather"), slowest("reduce_scatter")
@@ -365,14 +380,10 @@ def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_back
     params = [(n.name, global_nbytes(n.outputs[0].meta)) for n in nodes if n.kind is NodeKind.PARAMETER]
     position = {n.name: i for i, n in enumerate(nodes)}
     uses = parameter_uses(params, position, [(e.producer, e.consumer, e.position) for e in edges])
-    windows, bounds = [], {}
-    if costs.device.collectives_beside_compute:
-        by_name = {n.name: n for n in nodes}
-        ops = {n.name: i for i, n in enumerate(nodes) if n.kind in WINDOW_ENDS}
-        windows = activation_windows(ops, [(e.producer, e.consumer, e.position,
-                                            global_nbytes(by_name[e.producer].outputs[e.index].meta))
-                                           for e in edges if e.producer in ops])
-        bounds = {p: first_step_bound_s(b, costs) for p, b in params}
+    by_name = {n.name: n for n in nodes}
+    windows, bounds = activation_terms([(n.name, n.kind) for n in nodes],
+                                       [(e.producer, e.index, e.consumer, e.position) for e in edges],
+                                       lambda u, k: global_nbytes(by_name[u].outputs[k].meta), params, costs)
     shares = edge_share_table(params, uses, least_forward_s, least_backward_s, sync_every, windows, bounds)
     return sum(hidden_s(e.steps, costs, shares[(e.consumer, e.position)])
                for e in edges if (e.consumer, e.position) in shares)

@@ -301,11 +301,10 @@ def with_stage_plans(plan: Plan, stages: tuple[Plan, ...], options: Options) -> 
     if budget is not None and params + state + acts > budget:
         raise PipelineMemoryError(budget, params + state + acts, len(timed), p.blocks, p.schedule.value)
     serial_s = sum(sp.total_s for sp in stages) or 1.0  # the step split as the stages' own time is
-    share = lambda seconds: step_s * sum(seconds(sp) for sp in stages) / serial_s  # noqa: E731
+    parts = {k: step_s * sum(getattr(sp, k) for sp in stages) / serial_s for k in ("compute_s", "comm_s", "hidden_s")}
     return replace(plan, stage_plans=stages, pipeline=replace(p, stages=timed, bubble_s=bubble_s, step_s=step_s),
-                   compute_s=share(lambda sp: sp.compute_s), comm_s=share(lambda sp: sp.comm_s),
-                   hidden_s=share(lambda sp: sp.hidden_s), param_bytes=params, state_bytes=state,
-                   activation_bytes=acts, solver=_pipeline_report(plan.solver, step_s))
+                   param_bytes=params, state_bytes=state, activation_bytes=acts,
+                   solver=_pipeline_report(plan.solver, step_s), **parts)
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options,

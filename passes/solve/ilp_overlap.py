@@ -29,8 +29,8 @@ from typing import Mapping, Optional, Sequence
 
 from autopar.core.kinds import NodeKind
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import (WINDOW_ENDS, Share, activation_windows, edge_share_table, first_step_bound_s,
-                                         global_nbytes, parameter_uses)
+from autopar.cost_models.overlap import (Share, activation_terms, edge_share_table, global_nbytes,
+                                         parameter_uses)
 from autopar.passes.strategies.strategies import AnnotatedGraph
 
 
@@ -60,11 +60,11 @@ def graph_shares(graph: AnnotatedGraph, least: Sequence[float], least_fwd: Seque
     position = {n.name: i for i, n in enumerate(graph.nodes)}
     edges = [(u, v.name, pos) for v in graph.nodes for pos, (u, _) in enumerate(v.inputs)]
     windows, bounds = [], {}
-    if costs is not None and costs.device.collectives_beside_compute:
+    if costs is not None:
         by_name = {n.name: n for n in graph.nodes}
-        ops = {n.name: i for i, n in enumerate(graph.nodes) if n.kind in WINDOW_ENDS and n.strategies}
-        windows = activation_windows(ops, [(u, v.name, pos, global_nbytes(by_name[u].strategies[0].outputs[k].meta))
-                                           for v in graph.nodes for pos, (u, k) in enumerate(v.inputs) if u in ops])
-        bounds = {p: first_step_bound_s(b, costs) for p, b in params}
+        windows, bounds = activation_terms(
+            [(n.name, n.kind if n.strategies else None) for n in graph.nodes],
+            [(u, k, v.name, pos) for v in graph.nodes for pos, (u, k) in enumerate(v.inputs)],
+            lambda u, k: global_nbytes(by_name[u].strategies[0].outputs[k].meta), params, costs)
     return edge_share_table(params, parameter_uses(params, position, edges), least_fwd, least, sync_every,
                             windows, bounds)
