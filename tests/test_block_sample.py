@@ -18,7 +18,8 @@ from autopar.core.errors import FingerprintMismatchError, MemoryBudgetError
 from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.passes.plan import block_sample, forked, pipeline
-from autopar.passes.plan.block_sample import BlockSample, alike_blocks, cut, priced_trace, stretched
+from autopar.passes.plan.block_sample import priced_trace, stretched
+from autopar.passes.trace.stretch import BlockSample, alike_blocks, cut
 from autopar.passes.plan.pipeline import SubMeshSolves, microbatch_inputs
 from autopar.passes.plan.planning import trace_for_planning
 from autopar.runtime.stages import _checked

@@ -14,7 +14,7 @@ import autopar
 from autopar.core.pipeline import PipelineError, Schedule, Stage
 from autopar.core.plan import Plan
 from autopar.passes.plan.pipeline import Units, microbatch_inputs, split_stages, stage_values, step_time
-from autopar.passes.plan.block_sample import alike_blocks
+from autopar.passes.trace.stretch import alike_blocks
 from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
 from autopar.passes.plan.pipeline_stages import _stage_examples, check_skips, split_model
 from tests.models import build, inputs

@@ -55,12 +55,13 @@ from autopar.core.pipeline import Schedule, stage_mesh
 from autopar.core.placement import Replicate, local_chunk
 from autopar.core.plan import Plan
 from autopar.passes.lower.emit import check_fingerprint
-from autopar.passes.plan.block_sample import alike_blocks, priced_trace, sampled_trace
+from autopar.passes.plan.block_sample import priced_trace, sampled_trace
 from autopar.passes.plan.pipeline import microbatch_inputs, stage_solve_options
 from autopar.passes.plan.planner import plan_model
 from autopar.passes.plan.pipeline_relay import Relayed
 from autopar.passes.plan.pipeline_stages import computing_in, split_stages, stage_inputs, stage_options
 from autopar.passes.plan.planning import trace_for_planning
+from autopar.passes.trace.stretch import alike_blocks
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_state import (PipelineCheckpoint, gather_pipeline_state, load_pipeline_state, name_table,

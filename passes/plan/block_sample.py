@@ -20,10 +20,10 @@ priced so: every stage's own plan is solved on its own traced graph afterwards.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from contextlib import nullcontext
+from dataclasses import replace
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -31,82 +31,13 @@ from torch import nn
 from autopar.core.errors import TraceError
 from autopar.passes.plan.pipeline_split import Units
 from autopar.passes.plan.planning import trace_for_planning
+from autopar.passes.trace.stretch import SAMPLE, BlockSample, alike_blocks, cut
 from autopar.passes.trace.trace import TracedGraph
-
-SAMPLE = 4  # first, two inner (compared with each other), last
-PLAIN_TYPES = (bool, int, float, str, tuple, type(None))
-
-
-@dataclass(frozen=True)
-class BlockSample:
-    """Where the model's blocks live and how many there are (what stretched restores)."""
-
-    container: str  # module path of the ModuleList, as the traced graph names it ("model.layers")
-    blocks: int
 
 
 class UnlikeSample(Exception):
     """The sample's inner blocks are priced differently: it does not stand for the model's
     blocks (plan_model traces the whole graph instead)."""
-
-
-def alike_blocks(model: nn.Module) -> Optional[BlockSample]:
-    """The model's block container (of the ModuleLists and Sequentials outside any block,
-    as passes/strategies/clusters.py finds blocks, the one with the most children) when
-    it has more than SAMPLE blocks and they are alike (module docstring); else None."""
-    lists = [(len(m), path) for path, m in model.named_modules()
-             if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and len(m) > SAMPLE
-             and not any(part.isdigit() for part in path.split("."))]  # not inside a block (experts)
-    if not lists:
-        return None
-    _, path = min(lists, key=lambda x: (-x[0], x[1]))
-    blocks = list(model.get_submodule(path))
-    first = _signature(blocks[0])
-    if not all(_alike(first, _signature(b), place) for place, b in enumerate(blocks[1:], start=1)):
-        return None
-    return BlockSample(path, len(blocks))
-
-
-def _signature(block: nn.Module) -> tuple:
-    """What makes blocks alike: state names, shapes and dtypes; each submodule's class and
-    plain attributes."""
-    tensors = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
-    state = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
-    attributes = tuple((name, type(sub).__qualname__,
-                        tuple(sorted((k, v) for k, v in vars(sub).items()
-                                     if not k.startswith("_") and isinstance(v, PLAIN_TYPES))))
-                       for name, sub in block.named_modules(remove_duplicate=False))
-    return state, attributes
-
-
-def _alike(first: tuple, other: tuple, place: int) -> bool:
-    """Signatures equal, but for integers that count the block's place: 0 in the first
-    block, `place` in the other (transformers' layer_idx)."""
-    if first[0] != other[0] or len(first[1]) != len(other[1]):
-        return False
-    for (name, kind, plain), (name2, kind2, plain2) in zip(first[1], other[1]):
-        if (name, kind, len(plain)) != (name2, kind2, len(plain2)):
-            return False
-        for (k, v), (k2, v2) in zip(plain, plain2):
-            counts = type(v) is int and type(v2) is int and (v, v2) == (0, place)
-            if k != k2 or (v != v2 and not counts):
-                return False
-    return True
-
-
-@contextmanager
-def cut(model: nn.Module, sample: BlockSample) -> Iterator[None]:
-    """The model with its block container holding its first SAMPLE blocks, for the duration."""
-    parent_path, _, name = sample.container.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    whole = getattr(parent, name)
-    short = type(whole)(*list(whole)[:SAMPLE]) if isinstance(whole, nn.Sequential) else \
-        nn.ModuleList(list(whole)[:SAMPLE])
-    parent._modules[name] = short
-    try:
-        yield
-    finally:
-        parent._modules[name] = whole
 
 
 def stretched(units: Units, sample: BlockSample) -> Optional[Units]:

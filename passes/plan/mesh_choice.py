@@ -28,7 +28,8 @@ from autopar.passes.plan.planner import plan_graph
 from autopar.passes.plan.planning import DeviceMemoryWarning, planning_inputs, warn_over_memory
 from autopar.passes.solve.solver_backend import SolveStatus
 from autopar.passes.solve.warm_start import merged_axes
-from autopar.passes.trace.trace import TracedGraph, trace
+from autopar.passes.trace.stretch import stretched_trace
+from autopar.passes.trace.trace import TracedGraph
 
 MAX_AXES = 3
 
@@ -113,4 +114,4 @@ def plan_mesh_choice(model: nn.Module, args: Any, kwargs: Optional[dict], device
     """chosen_plan of `model` traced once with these inputs."""
     check_mesh_request(options)
     args, kwargs = planning_inputs(model, args, kwargs)
-    return chosen_plan(trace(model, args, kwargs, options.param_dtype), devices, options)
+    return chosen_plan(stretched_trace(model, args, kwargs, options.param_dtype), devices, options)

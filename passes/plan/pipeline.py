@@ -69,14 +69,14 @@ from autopar.core.plan_parts import SolverReport
 from autopar.cost_models.devices import memory_budget, preset
 from autopar.cost_models.model import CostModel
 from autopar.passes.plan import forked
-from autopar.passes.plan.block_sample import (BlockSample, UnlikeSample, alike_blocks, priced_trace, sampled_trace,
-                                              stretched)
+from autopar.passes.plan.block_sample import UnlikeSample, priced_trace, sampled_trace, stretched
 from autopar.passes.plan.pipeline_split import (MemoryBound, Units, in_flight, rank_bytes, smallest_split,
                                          split_frontier, split_stages)
 from autopar.passes.plan.pipeline_stages import Pins, stage_options, stage_plans
 from autopar.passes.plan.pipeline_units import lean_frontier, stage_costs, units_of
 from autopar.passes.plan.planning import plan_annotated, plan_traced, trace_for_planning
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
+from autopar.passes.trace.stretch import BlockSample, alike_blocks
 from autopar.passes.trace.trace import TracedGraph
 
 

@@ -38,6 +38,7 @@ from autopar.passes.plan.dynamic_plans import DynamicPlans, PlannedGraph
 from autopar.passes.plan.planning import plan_annotated, planning_inputs, warn_over_memory
 from autopar.passes.plan.state_layouts import state_owners, whole_state
 from autopar.passes.strategies.strategies import annotate
+from autopar.passes.trace.stretch import stretched_trace
 from autopar.passes.trace.trace import TracedGraph, trace
 
 
@@ -66,7 +67,7 @@ def plan_model(model: nn.Module, args: Any, kwargs: Optional[dict], mesh: Mesh, 
         return plan
     if options.dynamic is not None:
         return _dynamic(model, args, kwargs, mesh, options)
-    return plan_graph(trace(model, args, kwargs, options.param_dtype), mesh, options)
+    return plan_graph(stretched_trace(model, args, kwargs, options.param_dtype), mesh, options)
 
 
 def _dynamic(model: nn.Module, args: tuple, kwargs: dict, mesh: Mesh, options: Options) -> Plan:

@@ -28,7 +28,8 @@ from autopar.passes.solve.solver_backend import solver_name
 from autopar.passes.solve.warm_start import StartingLayouts, merged_axes, refined
 from autopar.passes.strategies.output_layouts import outputs_left_split
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
-from autopar.passes.trace.trace import TracedGraph, trace
+from autopar.passes.trace.stretch import stretched_trace
+from autopar.passes.trace.trace import TracedGraph
 
 
 def plan_traced(traced: TracedGraph, mesh: Mesh, options: Options,
@@ -139,8 +140,9 @@ def axis_links(costs: CostModel, kinds: tuple[LinkKind, ...]) -> tuple[AxisLink,
 def trace_for_planning(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None,
                        param_dtype: Optional[torch.dtype] = None) -> TracedGraph:
     """Trace with example inputs; a model without weights (meta device) plans on shapes
-    alone, so its inputs move to meta too. `param_dtype`: Options.param_dtype."""
-    return trace(model, *planning_inputs(model, args, kwargs), param_dtype)
+    alone, so its inputs move to meta too. `param_dtype`: Options.param_dtype. A model of
+    many alike blocks is traced through its first few (passes/trace/stretch.py)."""
+    return stretched_trace(model, *planning_inputs(model, args, kwargs), param_dtype)
 
 
 def planning_inputs(model: nn.Module, args: Any = (), kwargs: Optional[dict] = None) -> tuple[tuple, dict]:

@@ -1,0 +1,330 @@
+"""The traced graph of a model of L alike blocks, built from the trace of its first few.
+
+    trace of the model cut to blocks 0..3 (first, two inner, last)
+        --block 2 copied as blocks 3 .. L-2, block 3 renamed L-1--> graph of L blocks
+
+torch.export's cost grows with the model's depth (Llama-3-8B: about 6 s for 32 blocks,
+the 405B shape about 19 s for 126), and every block past the second inner one traces to
+the same ops. So a planner that needs the whole graph can trace four blocks and copy
+the third: each copy reads what the copy before it made, where the third block reads
+the second's output, and the values made outside the blocks (rotary tables, masks)
+that the third reads; its parameters are the next block's. The last block then reads
+the last copy. The result is canonicalised (passes/trace/canonical.py) like any trace,
+so its order, names and fingerprint are what tracing all L blocks gives: tests check
+that they are equal, and a caller that cannot stretch (None) traces the whole model.
+
+Stretching refuses (None) where the two inner blocks are not wired alike (a block that
+reads two blocks back, one with its own constants or submodule bodies), where anything
+outside the blocks reads an inner block (a model that returns every block's hidden
+states), and where the trace has buffer writes or symbolic sizes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+import re
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import fx, nn
+
+from autopar.core.errors import TraceError
+from autopar.core.kinds import NodeKind
+from autopar.passes.trace.canonical import canonicalise
+from autopar.passes.trace.trace import GraphInput, TracedGraph, fingerprint, trace
+
+SAMPLE = 4  # the blocks traced: first, two inner (compared with each other), last
+PLAIN_TYPES = (bool, int, float, str, tuple, type(None))
+
+
+@dataclass(frozen=True)
+class BlockSample:
+    """Where the model's blocks live and how many there are (what stretched restores)."""
+
+    container: str  # module path of the ModuleList, as the traced graph names it ("model.layers")
+    blocks: int
+
+
+def alike_blocks(model: nn.Module) -> Optional[BlockSample]:
+    """The model's block container (of the ModuleLists and Sequentials outside any block,
+    as passes/strategies/clusters.py finds blocks, the one with the most children) when
+    it has more than SAMPLE blocks and they are alike (module docstring); else None."""
+    lists = [(len(m), path) for path, m in model.named_modules()
+             if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and len(m) > SAMPLE
+             and not any(part.isdigit() for part in path.split("."))]  # not inside a block (experts)
+    if not lists:
+        return None
+    _, path = min(lists, key=lambda x: (-x[0], x[1]))
+    blocks = list(model.get_submodule(path))
+    first = _signature(blocks[0])
+    if not all(_alike(first, _signature(b), place) for place, b in enumerate(blocks[1:], start=1)):
+        return None
+    return BlockSample(path, len(blocks))
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What makes blocks alike: state names, shapes and dtypes; each submodule's class and
+    plain attributes."""
+    tensors = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
+    state = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
+    attributes = tuple((name, type(sub).__qualname__,
+                        tuple(sorted((k, v) for k, v in vars(sub).items()
+                                     if not k.startswith("_") and isinstance(v, PLAIN_TYPES))))
+                       for name, sub in block.named_modules(remove_duplicate=False))
+    return state, attributes
+
+
+def _alike(first: tuple, other: tuple, place: int) -> bool:
+    """Signatures equal, but for integers that count the block's place: 0 in the first
+    block, `place` in the other (transformers' layer_idx)."""
+    if first[0] != other[0] or len(first[1]) != len(other[1]):
+        return False
+    for (name, kind, plain), (name2, kind2, plain2) in zip(first[1], other[1]):
+        if (name, kind, len(plain)) != (name2, kind2, len(plain2)):
+            return False
+        for (k, v), (k2, v2) in zip(plain, plain2):
+            counts = type(v) is int and type(v2) is int and (v, v2) == (0, place)
+            if k != k2 or (v != v2 and not counts):
+                return False
+    return True
+
+
+@contextmanager
+def cut(model: nn.Module, sample: BlockSample) -> Iterator[None]:
+    """The model with its block container holding its first SAMPLE blocks, for the duration."""
+    parent_path, _, name = sample.container.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    whole = getattr(parent, name)
+    short = type(whole)(*list(whole)[:SAMPLE]) if isinstance(whole, nn.Sequential) else \
+        nn.ModuleList(list(whole)[:SAMPLE])
+    parent._modules[name] = short
+    try:
+        yield
+    finally:
+        parent._modules[name] = whole
+
+
+# what torch.export's nn_module_stack records for a module under the trace's wrapper (_TensorLeafCall.model)
+WRAPPER = "model"
+
+def stretched_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optional[torch.dtype] = None
+                    ) -> TracedGraph:
+    """trace(model, args, kwargs, param_dtype), made from a trace of its first SAMPLE blocks
+    where its blocks are alike and the sample stretches (module docstring)."""
+    sample = alike_blocks(model)
+    if sample is not None:
+        try:
+            with cut(model, sample):
+                short = trace(model, args, kwargs, param_dtype)
+        except TraceError:  # a forward that needs all its blocks
+            short = None
+        whole = stretched_graph(short, sample.container, sample.blocks) if short is not None else None
+        if whole is not None:
+            return whole
+    return trace(model, args, kwargs, param_dtype)
+
+
+Wiring = tuple  # per node of a block: (op, target, args and kwargs with inputs as (where, position))
+
+
+def stretched_graph(traced: TracedGraph, container: str, blocks: int) -> Optional[TracedGraph]:
+    """`traced` (of the model with `container` cut to its first SAMPLE blocks) with its
+    block SAMPLE - 2 copied to make `blocks` blocks (module docstring), or None where the
+    sample does not stand for the rest."""
+    if blocks <= SAMPLE or traced.buffer_updates or traced.symbolic:
+        return None
+    by_name = {gi.name: gi for gi in traced.inputs}
+    owner = _block_owner(traced.gm, by_name, container)
+    if owner is None:
+        return None
+    members: list[list[fx.Node]] = [[] for _ in range(SAMPLE)]
+    for node in traced.gm.graph.nodes:
+        if node in owner:
+            members[owner[node]].append(node)
+    for b in range(SAMPLE):
+        members[b] = _ordered(members[b], members[b - 1] if b else [], owner)
+    inner, last = SAMPLE - 2, SAMPLE - 1
+    wiring = [_wiring(members[b], members[b - 1], owner) for b in range(1, SAMPLE)]
+    if any(w is None for w in wiring) or wiring[inner - 1] != wiring[inner - 2]:
+        return None
+    outside_reads = {owner.get(i) for n in traced.gm.graph.nodes if n not in owner for i in n.all_input_nodes}
+    if outside_reads & set(range(1, last)):
+        return None
+    return _build(traced, container, blocks, members, owner, by_name)
+
+
+def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: str) -> Optional[dict[fx.Node, int]]:
+    """Each node of a block -> the block's index: a parameter or buffer by its state-dict
+    name, an op by the innermost module it ran in; None where the sample's blocks are not
+    all there, or a block holds anything but parameters, buffers and ops."""
+    state = re.compile(rf"^{re.escape(container)}\.(\d+)\.")
+    module = re.compile(rf"^{re.escape(WRAPPER)}\.{re.escape(container)}\.(\d+)(\.|$)")
+    owner: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            gi = by_name[node.name]
+            match = state.match(gi.target) if isinstance(gi.target, str) else None
+            if match is not None and gi.kind not in (NodeKind.PARAMETER, NodeKind.BUFFER):
+                return None
+        elif node.op == "call_function":
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            match = next((m for path, _ in reversed(stack) for m in [module.match(path)] if m), None)
+        else:
+            match = None
+            if node.op == "get_attr" and any(u.op != "output" for u in node.users):
+                return None  # a submodule body: each block's own in a whole trace
+        if match is not None:
+            owner[node] = int(match.group(1))
+    return owner if set(owner.values()) == set(range(SAMPLE)) else None
+
+
+def _ordered(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, int]) -> list[fx.Node]:
+    """A block's nodes in an order that matches node for node between alike blocks: those
+    the output depends on in graph order (the canonical post-order, the same in every
+    block), then the unread ones (assertions, which canonical order sorts by a hash of
+    everything upstream) by what they read."""
+    unread = [n for n in nodes if n.op == "call_function" and not n.users]
+    read = [n for n in nodes if n not in set(unread)]
+    mine, prev = {n: i for i, n in enumerate(read)}, {n: i for i, n in enumerate(before)}
+
+    def key(n: fx.Node) -> str:
+        place = fx.node.map_arg((n.args, n.kwargs), lambda a: (0, mine[a]) if a in mine else
+                                (1, prev[a]) if a in prev else (2, owner.get(a, -1), a.name))
+        return repr((str(n.target), place))
+    return read + sorted(unread, key=key)
+
+
+def _wiring(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, int]) -> Optional[Wiring]:
+    """What a block computes, with its inputs named by where they stand: its own nodes and
+    the block before's by position, a node outside the blocks by itself; None where it
+    reads any other block."""
+    mine, prev = {n: i for i, n in enumerate(nodes)}, {n: i for i, n in enumerate(before)}
+
+    def where(a: fx.Node):
+        if a in mine:
+            return ("self", mine[a])
+        if a in prev:
+            return ("prev", prev[a])
+        if a in owner:
+            raise LookupError
+        return ("outside", a.name)
+    try:
+        return tuple((n.op, str(n.target) if n.op != "placeholder" else "", fx.node.map_arg((n.args, n.kwargs), where),
+                      _value(n)) for n in nodes)
+    except LookupError:
+        return None
+
+
+def _build(traced: TracedGraph, container: str, blocks: int, members: list[list[fx.Node]],
+           owner: dict[fx.Node, int], by_name: dict[str, GraphInput]) -> Optional[TracedGraph]:
+    inner, last = SAMPLE - 2, SAMPLE - 1
+    old = traced.gm.graph
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}  # old node -> new, for everything but the copies
+    inputs: list[GraphInput] = []
+    copies = range(inner + 1, blocks - 1)  # the new blocks' indices
+    copied: dict[int, dict[fx.Node, fx.Node]] = {}  # index -> block `inner`'s node -> its copy
+
+    def renamed(node: fx.Node, index: int) -> Optional[GraphInput]:
+        """The placeholder of `node`'s state in block `index`: torch.export names it after
+        the state-dict name, underscored and lower-cased ('p_model_layers_3_mlp_up_proj_weight')."""
+        gi = by_name[node.name]
+        here = f"_{container.replace('.', '_').lower()}_{owner[node]}_"
+        if node.name.count(here) != 1:
+            return None
+        name = node.name.replace(here, f"_{container.replace('.', '_').lower()}_{index}_")
+        return GraphInput(name, gi.kind, _at(gi.target, container, index), gi.meta)
+
+    # placeholders: the copies' after the inner block's, kind by kind (state-dict order)
+    placeholders = [n for n in old.nodes if n.op == "placeholder"]
+    last_inner = {by_name[n.name].kind: n for n in placeholders if owner.get(n) == inner}
+    for node in placeholders:
+        gi = by_name[node.name]
+        if owner.get(node) == last:
+            gi = renamed(node, blocks - 1)
+        if gi is None:
+            return None
+        env[node] = _placeholder(graph, node, gi.name)
+        inputs.append(gi)
+        if last_inner.get(gi.kind) is node:
+            for index in copies:
+                for twin in (n for n in placeholders if owner.get(n) == inner and by_name[n.name].kind is gi.kind):
+                    new = renamed(twin, index)
+                    if new is None:
+                        return None
+                    copied.setdefault(index, {})[twin] = _placeholder(graph, twin, new.name)
+                    inputs.append(new)
+    # ops: those not after the last block, then the copies, then the last block and what reads it
+    after = _downstream(members[last], old)
+    ops = [n for n in old.nodes if n.op != "placeholder"]
+    for node in (n for n in ops if n not in after):
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    for index in copies:
+        previous = copied.get(index - 1, {}) if index - 1 > inner else None
+        mine = copied[index]
+        for node in (n for n in members[inner] if n.op != "placeholder"):
+            mine[node] = graph.node_copy(node, lambda a: _source(a, mine, previous, members, owner, env))
+            _move_module_path(mine[node], container, inner, index)
+    final = copied.get(blocks - 2)
+    for node in (n for n in ops if n in after):
+        env[node] = graph.node_copy(node, lambda a: final[a] if final is not None and owner.get(a) == inner else env[a])
+        if owner.get(node) == last:
+            _move_module_path(env[node], container, last, blocks - 1)
+    gm = fx.GraphModule(traced.gm, graph)
+    canonicalise(gm)
+    gm.recompile()
+    return replace(traced, gm=gm, inputs=tuple(inputs), fingerprint=fingerprint(gm))
+
+
+def _source(a: fx.Node, mine: dict, previous: Optional[dict], members: list[list[fx.Node]],
+            owner: dict[fx.Node, int], env: dict) -> fx.Node:
+    """What a copy of the inner block reads for the inner block's input `a`: its own node,
+    the previous copy's twin of the block before's node (the inner block itself, for the
+    first copy), or the node outside the blocks."""
+    inner = SAMPLE - 2
+    if owner.get(a) == inner:
+        return mine[a]
+    if owner.get(a) == inner - 1:
+        twin = members[inner][members[inner - 1].index(a)]
+        return previous[twin] if previous is not None else env[twin]
+    return env[a]
+
+
+def _value(node: fx.Node) -> Optional[tuple]:
+    val = node.meta.get("val")
+    return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+
+
+def _downstream(roots: list[fx.Node], graph: fx.Graph) -> set[fx.Node]:
+    """`roots` and every node that reads them, directly or not (but the output)."""
+    out, todo = set(roots), list(roots)
+    while todo:
+        for user in todo.pop().users:
+            if user not in out and user.op != "output":
+                out.add(user)
+                todo.append(user)
+    out.update(n for n in graph.nodes if n.op == "output")
+    return out
+
+
+def _placeholder(graph: fx.Graph, like: fx.Node, name: str) -> fx.Node:
+    node = graph.placeholder(name)
+    node.meta = dict(like.meta)
+    return node
+
+
+def _at(target: str, container: str, index: int) -> str:
+    """A state-dict name in block `index` of `container` instead of its own block."""
+    return re.sub(rf"^({re.escape(container)})\.\d+\.", rf"\g<1>.{index}.", target)
+
+
+def _move_module_path(node: fx.Node, container: str, old: int, new: int) -> None:
+    """The node's module stack as if it ran in block `new` (a copy's meta is a shallow copy)."""
+    prefix, moved = f"{WRAPPER}.{container}.{old}", f"{WRAPPER}.{container}.{new}"
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return
+    node.meta["nn_module_stack"] = {
+        key: (moved + path[len(prefix):] if path == prefix or path.startswith(prefix + ".") else path, kind)
+        for key, (path, kind) in stack.items()}
