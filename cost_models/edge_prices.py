@@ -17,7 +17,7 @@ import torch
 from autopar.core.placement import R, Spec, TensorMeta, local_shape
 from autopar.core.resharding import Step, Unreachable, reshard_moves, reshard_steps, split_axes
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import NO_SHARE, Share, amortised_s, hidden_s
+from autopar.cost_models.hiding import NO_SHARE, Hideable, Share
 
 INF = float("inf")  # the cost of an unreachable reshard (and, in passes/solve/ilp.py, of an impossible choice)
 
@@ -62,6 +62,7 @@ class EdgePricer:
         self._cost: dict[tuple[int, DstKey], float] = {}
         self._moves: dict[tuple, Optional[tuple[Step, ...]]] = {}  # (layouts, ndim, grad-sync axes) -> moves
         self._unpaid: dict[tuple[int, DstKey, Share], float] = {}
+        self._hideable: dict[tuple[int, DstKey], Hideable] = {}
         self._step_s: dict[tuple, float] = {}  # (kind, backward, axis, local bytes, differentiable) -> seconds
         self._tables: dict[tuple, torch.Tensor] = {}  # (src classes, dst classes, share) -> R over them
 
@@ -128,9 +129,10 @@ class EdgePricer:
         key = (src, dst, share)
         h = self._unpaid.get(key)
         if h is None:
-            steps = self.steps_between(src, dst) or ()
-            h = self._unpaid[key] = amortised_s(steps, self.costs, share.sync_every) + hidden_s(steps, self.costs,
-                                                                                               share)
+            parts = self._hideable.get((src, dst))
+            if parts is None:  # what could hide of the pair, whatever the share: ~10^5 shares meet a few pairs
+                parts = self._hideable[(src, dst)] = Hideable.of(self.steps_between(src, dst) or (), self.costs)
+            h = self._unpaid[key] = parts.unpaid_s(share)
         return h
 
     def price_between(self, src: int, dst: DstKey, share: Share = NO_SHARE) -> float:

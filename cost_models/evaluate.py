@@ -26,7 +26,8 @@ from autopar.core.plan import Plan
 from autopar.core.plan_parts import EdgePlan, NodeChoice, RecomputedBlock
 from autopar.cost_models.memory import node_bytes
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import amortised_s, plan_hidden_s
+from autopar.cost_models.hiding import amortised_s
+from autopar.cost_models.overlap import plan_hidden_s
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def evaluate(plan: Plan, *, device: Optional[str] = None, training: Optional[boo
             compute_s, op_comm_s = compute_s + cost.compute_s, op_comm_s + cost.comm_s
         memory += node_bytes(n.kind, target, n.outputs, plan.mesh.shape, costs.training, optimizer_state_bytes,
                              n.saved, n.inputs)
-    every = plan.grad_sync_every  # parameter edges pay 1/n of a bucket's reduction (overlap.amortised_s)
+    every = plan.grad_sync_every  # parameter edges pay 1/n of a bucket's reduction (hiding.amortised_s)
     params = {n.name for n in plan.nodes if n.kind is NodeKind.PARAMETER} if every > 1 else set()
     comm_s = op_comm_s + sum(costs.steps_cost(e.steps).total_s
                              - (amortised_s(e.steps, costs, every) if e.producer in params else 0.0)

@@ -95,16 +95,16 @@ Not modelled: the in-flight cap (it may retire a prefetched gather early).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import prod
 from types import MappingProxyType
 from typing import Callable, Hashable, Mapping, Optional, Sequence
 
-from autopar.core.kinds import NodeKind, StepKind
+from autopar.core.kinds import NodeKind
 from autopar.core.options import GRADIENT_BUCKET_BYTES
 from autopar.core.placement import TensorMeta
-from autopar.core.resharding import Step
 from autopar.cost_models import comm
+from autopar.cost_models.hiding import Share, hidden_s
 from autopar.cost_models.model import CostModel
 
 BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the runtime's bucket size (autopar/runtime/buckets.py)
@@ -128,23 +128,6 @@ class ParamUse:
     position: int
     edge: Hashable
 
-
-@dataclass(frozen=True)
-class Share:
-    """A parameter edge's shares of the compute its collectives may hide under: its
-    bucket's backward stretch, and its prefetch window's forward and backward seconds."""
-
-    bucket_s: float = 0.0
-    window_forward_s: float = 0.0
-    window_backward_s: float = 0.0
-    sync_every: int = 1  # backwards per bucket reduction (Options.grad_sync_every): each pays 1/n of it
-
-    def __bool__(self) -> bool:
-        return self.bucket_s > 0.0 or self.window_forward_s > 0.0 or self.window_backward_s > 0.0 \
-            or self.sync_every > 1
-
-
-NO_SHARE = Share()
 
 
 @dataclass(frozen=True)
@@ -184,47 +167,6 @@ def activation_terms(kinds: Sequence[tuple[str, NodeKind]], edges: Sequence[tupl
     ops = {name: i for i, (name, kind) in enumerate(kinds) if kind in WINDOW_ENDS}
     windows = activation_windows(ops, [(u, v, pos, nbytes_of(u, k)) for u, k, v, pos in edges if u in ops])
     return windows, {p: first_step_bound_s(b, costs) for p, b in params}
-
-
-def prefetch_hideable_s(steps: Sequence[Step], costs: CostModel) -> tuple[float, float]:
-    """(Hf, Hb): forward and backward seconds of a parameter edge's first step where the
-    schedule prefetches it (it communicates, is no grad sync) on a preset whose
-    collectives run beside compute; (0, 0) elsewhere."""
-    if not steps or not costs.device.collectives_beside_compute:
-        return 0.0, 0.0
-    first = steps[0]
-    if not first.kind.communicates or first.kind is StepKind.GRAD_SYNC:
-        return 0.0, 0.0
-    forward = replace(costs, training=False).steps_cost((first,)).comm_s
-    both = costs.steps_cost((first,)).comm_s
-    return forward, both - forward
-
-
-def hidden_s(steps: Sequence[Step], costs: CostModel, share: Share) -> float:
-    """What of an edge's reshard hides: its bucket's credit (on the part of the reduction
-    each backward pays, amortised_s) and its prefetch's."""
-    if not share:
-        return 0.0
-    forward, backward = prefetch_hideable_s(steps, costs)
-    return (credit_s(hideable_s(steps, costs) / share.sync_every, share.bucket_s)
-            + credit_s(forward, share.window_forward_s) + credit_s(backward, share.window_backward_s))
-
-
-def amortised_s(steps: Sequence[Step], costs: CostModel, sync_every: int) -> float:
-    """Of a parameter edge's price, what each backward does not pay where the bucket
-    reduces once per `sync_every` backwards (a pipeline stage's microbatches): the
-    reduction H it carries, less H / sync_every."""
-    if sync_every <= 1:
-        return 0.0
-    return hideable_s(steps, costs) * (1.0 - 1.0 / sync_every)
-
-
-def hideable_s(steps: Sequence[Step], costs: CostModel) -> float:
-    """H: seconds of a parameter edge's reduction that a bucket carries: the backward of
-    its first grad sync, when every step is a grad sync (the rewrite defers exactly those)."""
-    if not costs.training or not steps or any(s.kind is not StepKind.GRAD_SYNC for s in steps):
-        return 0.0
-    return costs.steps_cost(tuple(steps[:1])).comm_s
 
 
 def global_nbytes(meta: TensorMeta) -> int:
@@ -363,10 +305,6 @@ def edge_share_table(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse]
             table[w.edge] = Share(0.0, forward[w.edge], backward[w.edge])
     return table
 
-
-def credit_s(hideable: float, share: float) -> float:
-    """hidden_e = min(H_e, share_e)."""
-    return min(hideable, share)
 
 
 def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_backward_s: Sequence[float],

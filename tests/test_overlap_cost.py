@@ -15,9 +15,9 @@ from autopar.cost_models.devices import DeviceSpec, Link
 from autopar.cost_models.evaluate import evaluate
 from autopar.cost_models.model import CostModel
 from autopar.cost_models import overlap
+from autopar.cost_models.hiding import credit_s
 from autopar.cost_models.overlap import (BUCKET_BYTES, MAX_WINDOW, Bucket, ParamUse, Window, activation_windows,
-                                         credit_s, edge_share_table, edge_shares, grad_buckets,
-                                         left_by_parameters, stretches)
+                                         edge_share_table, edge_shares, grad_buckets, left_by_parameters, stretches)
 from tests import models
 from tests.models import MLP
 

@@ -60,7 +60,7 @@ from typing import Callable, Mapping, Optional
 
 from autopar.core.errors import SolverError
 from autopar.cost_models.edge_prices import INF, DstKey, EdgePricer
-from autopar.cost_models.overlap import NO_SHARE, Share
+from autopar.cost_models.hiding import NO_SHARE, Share
 from autopar.passes.solve.ilp_terms import MIB, US, Flow, LinearTerms, Variable, link_classes, merge_alike
 from autopar.passes.solve.recompute_ilp import BlockTerms, RecomputeVariables, recompute
 from autopar.passes.solve.solver_backend import LinearProgram

@@ -29,8 +29,8 @@ from typing import Mapping, Optional, Sequence
 
 from autopar.core.kinds import NodeKind
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import (Share, activation_terms, edge_share_table, global_nbytes,
-                                         parameter_uses)
+from autopar.cost_models.hiding import Share
+from autopar.cost_models.overlap import activation_terms, edge_share_table, global_nbytes, parameter_uses
 from autopar.passes.strategies.strategies import AnnotatedGraph
 
 

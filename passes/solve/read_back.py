@@ -12,7 +12,8 @@ from autopar.core.plan_parts import Alternative, EdgePlan, NodeChoice, Recompute
 from autopar.core.routed import ROUTED_EXPERTS
 from autopar.cost_models.evaluate import recompute_terms
 from autopar.cost_models.model import CostModel
-from autopar.cost_models.overlap import amortised_s, plan_hidden_s
+from autopar.cost_models.hiding import amortised_s
+from autopar.cost_models.overlap import plan_hidden_s
 from autopar.passes.rules import Strategy
 from autopar.passes.solve.ilp import EdgePricer, Member
 from autopar.passes.solve.prices import kept_outputs, node_costs
