@@ -44,10 +44,9 @@ from autopar import _compat
 _NUMBERED = re.compile(r"^(.*?)(_\d+)?$")
 
 
-def canonicalise(gm: fx.GraphModule) -> None:
-    """Reorder and rename `gm`'s graph into the canonical form, in place; the caller
-    regenerates its code (gm.recompile()) once its passes are done."""
-    graph = gm.graph
+def canonicalise(graph: fx.Graph) -> None:
+    """Reorder and rename `graph` into the canonical form, in place; the caller regenerates
+    its module's code (gm.recompile()) once its passes are done."""
     # 0. dead values
     graph.eliminate_dead_code()
     nodes = list(graph.nodes)

@@ -271,9 +271,8 @@ def _build(traced: TracedGraph, container: str, blocks: int, members: list[list[
         env[node] = graph.node_copy(node, lambda a: final[a] if final is not None and owner.get(a) == inner else env[a])
         if owner.get(node) == last:
             _move_module_path(env[node], container, last, blocks - 1)
+    canonicalise(graph)
     gm = fx.GraphModule(traced.gm, graph)
-    canonicalise(gm)
-    gm.recompile()
     return replace(traced, gm=gm, inputs=tuple(inputs), fingerprint=fingerprint(gm))
 
 

@@ -255,7 +255,7 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     inputs = _rename_placeholders(ep.graph_module, inputs)
     causal_masks_to_is_causal(ep.graph_module)
     mean_losses_as_sums(ep.graph_module)
-    canonicalise(ep.graph_module)
+    canonicalise(ep.graph_module.graph)
     if not collapse_routed_experts(ep.graph_module):  # after canonicalise: its bodies' names are canonical too
         ep.graph_module.recompile()  # (a collapse regenerates the code itself)
     renamed = {gi.target: gi.name for gi in inputs if gi.kind is NodeKind.BUFFER}
