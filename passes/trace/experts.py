@@ -42,6 +42,7 @@ from torch import fx
 from autopar.core.errors import describe_node
 from autopar.core.log import LOG
 from autopar.core.routed import ROUTED_EXPERTS, register_body
+from autopar.passes.trace.canonical import canonicalise
 
 aten = torch.ops.aten
 
@@ -259,6 +260,9 @@ def _collapse(gm: fx.GraphModule, r: _Routing) -> None:
     for n in r.region:
         env[n] = body.node_copy(n, lambda a: env[a])
     body.output(env[r.exit.args[0]])
+    # named within the body, so every layer's alike experts share one body and its name
+    # (passes/trace/stretch.py copies a layer's routed_experts call with its body name)
+    canonicalise(body)
     name = register_body(fx.GraphModule(torch.nn.Module(), body, class_name="RoutedExpertsBody"))
     graph = gm.graph
     args = (r.ids, [src for _, src, _ in r.gathers], list(r.experts), [group for _, _, group in r.gathers],

@@ -44,23 +44,26 @@ class BlockSample:
 
     container: str  # module path of the ModuleList, as the traced graph names it ("model.layers")
     blocks: int
+    first: int = 0  # the first of the alike blocks: those before it differ (DeepSeek-V3's dense layers)
 
 
-def alike_blocks(model: nn.Module) -> Optional[BlockSample]:
+def alike_blocks(model: nn.Module, after_unlike: bool = False) -> Optional[BlockSample]:
     """The model's block container (of the ModuleLists and Sequentials outside any block,
     as passes/strategies/clusters.py finds blocks, the one with the most children) when
-    it has more than SAMPLE blocks and they are alike (module docstring); else None."""
+    it has more than SAMPLE blocks and they are alike (module docstring); else None.
+    `after_unlike`: the blocks from some block on are alike, and more than SAMPLE."""
     lists = [(len(m), path) for path, m in model.named_modules()
              if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and len(m) > SAMPLE
              and not any(part.isdigit() for part in path.split("."))]  # not inside a block (experts)
     if not lists:
         return None
     _, path = min(lists, key=lambda x: (-x[0], x[1]))
-    blocks = list(model.get_submodule(path))
-    first = _signature(blocks[0])
-    if not all(_alike(first, _signature(b), place) for place, b in enumerate(blocks[1:], start=1)):
-        return None
-    return BlockSample(path, len(blocks))
+    signatures = [_signature(b) for b in model.get_submodule(path)]
+    for first in range(len(signatures) - SAMPLE if after_unlike else 1):
+        if all(_alike(signatures[first], signatures[place], first, place)
+               for place in range(first + 1, len(signatures))):
+            return BlockSample(path, len(signatures), first)
+    return None
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -75,16 +78,16 @@ def _signature(block: nn.Module) -> tuple:
     return state, attributes
 
 
-def _alike(first: tuple, other: tuple, place: int) -> bool:
-    """Signatures equal, but for integers that count the block's place: 0 in the first
-    block, `place` in the other (transformers' layer_idx)."""
+def _alike(first: tuple, other: tuple, first_place: int, place: int) -> bool:
+    """Signatures equal, but for integers that count the block's place: `first_place` in
+    the first block, `place` in the other (transformers' layer_idx)."""
     if first[0] != other[0] or len(first[1]) != len(other[1]):
         return False
     for (name, kind, plain), (name2, kind2, plain2) in zip(first[1], other[1]):
         if (name, kind, len(plain)) != (name2, kind2, len(plain2)):
             return False
         for (k, v), (k2, v2) in zip(plain, plain2):
-            counts = type(v) is int and type(v2) is int and (v, v2) == (0, place)
+            counts = type(v) is int and type(v2) is int and (v, v2) == (first_place, place)
             if k != k2 or (v != v2 and not counts):
                 return False
     return True
@@ -92,13 +95,13 @@ def _alike(first: tuple, other: tuple, place: int) -> bool:
 
 @contextmanager
 def cut(model: nn.Module, sample: BlockSample) -> Iterator[None]:
-    """The model with its block container holding its first SAMPLE blocks, for the duration."""
+    """The model with its block container holding the blocks before the sample's first and
+    SAMPLE blocks from it, for the duration."""
     parent_path, _, name = sample.container.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     whole = getattr(parent, name)
-    short = type(whole)(*list(whole)[:SAMPLE]) if isinstance(whole, nn.Sequential) else \
-        nn.ModuleList(list(whole)[:SAMPLE])
-    parent._modules[name] = short
+    kept = list(whole)[:sample.first + SAMPLE]
+    parent._modules[name] = type(whole)(*kept) if isinstance(whole, nn.Sequential) else nn.ModuleList(kept)
     try:
         yield
     finally:
@@ -112,14 +115,14 @@ def stretched_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Op
                     ) -> TracedGraph:
     """trace(model, args, kwargs, param_dtype), made from a trace of its first SAMPLE blocks
     where its blocks are alike and the sample stretches (module docstring)."""
-    sample = alike_blocks(model)
+    sample = alike_blocks(model, after_unlike=True)
     if sample is not None:
         try:
             with cut(model, sample):
                 short = trace(model, args, kwargs, param_dtype)
         except TraceError:  # a forward that needs all its blocks
             short = None
-        whole = stretched_graph(short, sample.container, sample.blocks) if short is not None else None
+        whole = stretched_graph(short, sample.container, sample.blocks, sample.first) if short is not None else None
         if whole is not None:
             return whole
     return trace(model, args, kwargs, param_dtype)
@@ -128,16 +131,17 @@ def stretched_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Op
 Wiring = tuple  # per node of a block: (op, target, args and kwargs with inputs as (where, position))
 
 
-def stretched_graph(traced: TracedGraph, container: str, blocks: int) -> Optional[TracedGraph]:
-    """`traced` (of the model with `container` cut to its first SAMPLE blocks) with its
-    block SAMPLE - 2 copied to make `blocks` blocks (module docstring), or None where the
-    sample does not stand for the rest."""
-    if blocks <= SAMPLE or traced.buffer_updates or traced.symbolic:
+def stretched_graph(traced: TracedGraph, container: str, blocks: int, first: int = 0) -> Optional[TracedGraph]:
+    """`traced` (of the model with `container` cut to its first `first` + SAMPLE blocks) with
+    its block `first` + SAMPLE - 2 copied to make `blocks` blocks (module docstring), or None
+    where the sample does not stand for the rest. The blocks before `first` stay as traced."""
+    if blocks - first <= SAMPLE or traced.buffer_updates or traced.symbolic:
         return None
     by_name = {gi.name: gi for gi in traced.inputs}
-    owner = _block_owner(traced.gm, by_name, container)
+    owner = _block_owner(traced.gm, by_name, container, first + SAMPLE)
     if owner is None:
         return None
+    owner = {n: b - first for n, b in owner.items() if b >= first}  # the sample's blocks 0..SAMPLE-1
     members: list[list[fx.Node]] = [[] for _ in range(SAMPLE)]
     for node in traced.gm.graph.nodes:
         if node in owner:
@@ -151,10 +155,11 @@ def stretched_graph(traced: TracedGraph, container: str, blocks: int) -> Optiona
     outside_reads = {owner.get(i) for n in traced.gm.graph.nodes if n not in owner for i in n.all_input_nodes}
     if outside_reads & set(range(1, last)):
         return None
-    return _build(traced, container, blocks, members, owner, by_name)
+    return _build(traced, container, blocks, first, members, owner, by_name)
 
 
-def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: str) -> Optional[dict[fx.Node, int]]:
+def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: str, count: int
+                 ) -> Optional[dict[fx.Node, int]]:
     """Each node of a block -> the block's index: a parameter or buffer by its state-dict
     name, an op by the innermost module it ran in; None where the sample's blocks are not
     all there, or a block holds anything but parameters, buffers and ops."""
@@ -176,7 +181,7 @@ def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: 
                 return None  # a submodule body: each block's own in a whole trace
         if match is not None:
             owner[node] = int(match.group(1))
-    return owner if set(owner.values()) == set(range(SAMPLE)) else None
+    return owner if set(owner.values()) == set(range(count)) else None
 
 
 def _ordered(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, int]) -> list[fx.Node]:
@@ -216,21 +221,21 @@ def _wiring(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, in
         return None
 
 
-def _build(traced: TracedGraph, container: str, blocks: int, members: list[list[fx.Node]],
+def _build(traced: TracedGraph, container: str, blocks: int, first: int, members: list[list[fx.Node]],
            owner: dict[fx.Node, int], by_name: dict[str, GraphInput]) -> Optional[TracedGraph]:
     inner, last = SAMPLE - 2, SAMPLE - 1
     old = traced.gm.graph
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}  # old node -> new, for everything but the copies
     inputs: list[GraphInput] = []
-    copies = range(inner + 1, blocks - 1)  # the new blocks' indices
+    copies = range(first + inner + 1, blocks - 1)  # the new blocks' indices
     copied: dict[int, dict[fx.Node, fx.Node]] = {}  # index -> block `inner`'s node -> its copy
 
     def renamed(node: fx.Node, index: int) -> Optional[GraphInput]:
         """The placeholder of `node`'s state in block `index`: torch.export names it after
         the state-dict name, underscored and lower-cased ('p_model_layers_3_mlp_up_proj_weight')."""
         gi = by_name[node.name]
-        here = f"_{container.replace('.', '_').lower()}_{owner[node]}_"
+        here = f"_{container.replace('.', '_').lower()}_{first + owner[node]}_"
         if node.name.count(here) != 1:
             return None
         name = node.name.replace(here, f"_{container.replace('.', '_').lower()}_{index}_")
@@ -261,16 +266,16 @@ def _build(traced: TracedGraph, container: str, blocks: int, members: list[list[
     for node in (n for n in ops if n not in after):
         env[node] = graph.node_copy(node, lambda a: env[a])
     for index in copies:
-        previous = copied.get(index - 1, {}) if index - 1 > inner else None
+        previous = copied.get(index - 1, {}) if index - 1 > first + inner else None
         mine = copied[index]
         for node in (n for n in members[inner] if n.op != "placeholder"):
             mine[node] = graph.node_copy(node, lambda a: _source(a, mine, previous, members, owner, env))
-            _move_module_path(mine[node], container, inner, index)
+            _move_module_path(mine[node], container, first + inner, index)
     final = copied.get(blocks - 2)
     for node in (n for n in ops if n in after):
         env[node] = graph.node_copy(node, lambda a: final[a] if final is not None and owner.get(a) == inner else env[a])
         if owner.get(node) == last:
-            _move_module_path(env[node], container, last, blocks - 1)
+            _move_module_path(env[node], container, first + last, blocks - 1)
     canonicalise(graph)
     gm = fx.GraphModule(traced.gm, graph)
     return replace(traced, gm=gm, inputs=tuple(inputs), fingerprint=fingerprint(gm))

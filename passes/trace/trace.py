@@ -9,20 +9,19 @@
 3. Functionalise in-place writes to intermediate values and buffers
    (passes/trace/functionalize.py), with the functional copy that a slice write leaves spelled
    in differentiable ops.
-4. Refuse sizes that depend on tensor values (x[mask], nonzero). Read the graph
-   signature: every placeholder is a parameter, buffer, constant or
-   user input; refuse graphs that write parameters or inputs. A write to a buffer is an
+4. Refuse sizes that depend on tensor values (x[mask], nonzero). Read the graph signature:
+   every placeholder is a parameter, buffer, constant or user input; refuse graphs that
+   write parameters or inputs. A write to a buffer is an
    extra output (first in the output tuple), recorded as a BufferUpdate: the runtime
    stores each rank's block of it after the call. Training batch norms become the ops
    of their definition, so a batch split synchronises statistics (SyncBatchNorm).
 5. An explicit mask proven causal becomes sdpa's is_causal (passes/trace/causal_masks.py);
    a mean loss becomes its sum over its count (passes/trace/mean_losses.py).
    Canonical order and names (passes/trace/canonical.py); each mixture-of-experts routing
-   becomes one routed_experts node (passes/trace/experts.py).
+   becomes one routed_experts node (passes/trace/experts.py), canonical again after.
 
-Steps 1-3 are export_program, steps 4-5 traced_program; program_bytes and load_program
-carry a program from one process to another between the two (runtime/shipping.py: one
-rank traces, every rank plans the same graph).
+Steps 1-3 are export_program, 4-5 traced_program; program_bytes and load_program carry a program
+between processes in between (runtime/shipping.py: one rank traces, every rank plans its graph).
 """
 
 from __future__ import annotations
@@ -102,8 +101,7 @@ class TracedGraph:
 
 
 class Leaf(Enum):
-    """Marks the place of a tensor among the constant leaves of the inputs (a None leaf is
-    an input's own value)."""
+    """Marks where a tensor sits among the inputs' constant leaves (a None leaf is an input's own)."""
 
     TENSOR = "tensor"
 
@@ -256,8 +254,10 @@ def traced_program(ep: Any, model: nn.Module, args: tuple = (), kwargs: dict | N
     causal_masks_to_is_causal(ep.graph_module)
     mean_losses_as_sums(ep.graph_module)
     canonicalise(ep.graph_module.graph)
-    if not collapse_routed_experts(ep.graph_module):  # after canonicalise: its bodies' names are canonical too
-        ep.graph_module.recompile()  # (a collapse regenerates the code itself)
+    # routings found in canonical order; canonical again after, as a stretched graph is (stretch.py)
+    if collapse_routed_experts(ep.graph_module):
+        canonicalise(ep.graph_module.graph)
+    ep.graph_module.recompile()
     renamed = {gi.target: gi.name for gi in inputs if gi.kind is NodeKind.BUFFER}
     return TracedGraph(
         gm=ep.graph_module,
