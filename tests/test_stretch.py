@@ -63,6 +63,19 @@ def test_the_stretched_graph_is_the_whole_trace(family):
 
 
 @pytest.mark.slow
+def test_a_mixed_precision_trace_stretches_with_each_blocks_casts():
+    """Options.param_dtype: the trace's wrapper casts each parameter outside every module;
+    a block's casts are its own, so the copies cast their own parameters."""
+    model, kwargs = _model("llama")
+    whole = trace(model, (), kwargs, torch.bfloat16)
+    sample = alike_blocks(model)
+    with cut(model, sample):
+        short = trace(model, (), kwargs, torch.bfloat16)
+    made = stretched_graph(short, sample.container, sample.blocks)
+    assert made is not None and made.fingerprint == whole.fingerprint and made.gm.code == whole.gm.code
+
+
+@pytest.mark.slow
 def test_autopar_plan_stretches_and_plans_as_from_the_whole_trace(monkeypatch):
     model, kwargs = _model("llama")
     whole = plan_graph(trace(model, (), kwargs), Mesh.of((2, 2)), Options(device=CHEAP_COMM))

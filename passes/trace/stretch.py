@@ -161,8 +161,10 @@ def stretched_graph(traced: TracedGraph, container: str, blocks: int, first: int
 def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: str, count: int
                  ) -> Optional[dict[fx.Node, int]]:
     """Each node of a block -> the block's index: a parameter or buffer by its state-dict
-    name, an op by the innermost module it ran in; None where the sample's blocks are not
-    all there, or a block holds anything but parameters, buffers and ops."""
+    name, an op by the innermost module it ran in, or, run outside every module, when it
+    reads one block's state alone (the casts of Options.param_dtype, made by the trace's
+    wrapper); None where the sample's blocks are not all there, or a block holds anything
+    but parameters, buffers and ops."""
     state = re.compile(rf"^{re.escape(container)}\.(\d+)\.")
     module = re.compile(rf"^{re.escape(WRAPPER)}\.{re.escape(container)}\.(\d+)(\.|$)")
     owner: dict[fx.Node, int] = {}
@@ -175,6 +177,9 @@ def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: 
         elif node.op == "call_function":
             stack = list((node.meta.get("nn_module_stack") or {}).values())
             match = next((m for path, _ in reversed(stack) for m in [module.match(path)] if m), None)
+            reads = {owner.get(a) if a.op == "placeholder" else None for a in node.all_input_nodes}
+            if match is None and len(reads) == 1 and None not in reads:
+                owner[node] = reads.pop()
         else:
             match = None
             if node.op == "get_attr" and any(u.op != "output" for u in node.users):
