@@ -60,8 +60,9 @@ from autopar.passes.plan.pipeline import microbatch_inputs, stage_solve_options
 from autopar.passes.plan.planner import plan_model
 from autopar.passes.plan.pipeline_relay import Relayed
 from autopar.passes.plan.pipeline_stages import computing_in, split_stages, stage_inputs, stage_options
-from autopar.passes.plan.planning import trace_for_planning
+from autopar.passes.plan.planning import planning_inputs
 from autopar.passes.trace.stretch import alike_blocks
+from autopar.passes.trace.trace import trace
 from autopar.runtime.groups import check_world, stage_groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_state import (PipelineCheckpoint, gather_pipeline_state, load_pipeline_state, name_table,
@@ -307,8 +308,9 @@ def _checked(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, options: O
     model's alike blocks or through the whole model (passes/plan/block_sample.py
     priced_trace), a plain one the whole batch's; each stage plan is checked where its
     stage's ranks trace it."""
-    if plan.pipeline is None:
-        check_fingerprint(plan, trace_for_planning(model, args, kwargs, options.param_dtype), "the given plan")
+    if plan.pipeline is None:  # the whole trace, not one stretched from a sample: the check the plan must pass
+        whole = trace(model, *planning_inputs(model, args, kwargs), options.param_dtype)
+        check_fingerprint(plan, whole, "the given plan")
         return plan
     args, kwargs = microbatch_inputs(args, kwargs, plan.pipeline.microbatches)
     sampled, sample = sampled_trace(model, args, kwargs, options.param_dtype, alike_blocks(model))

@@ -13,6 +13,9 @@ the last copy. The result is canonicalised (passes/trace/canonical.py) like any 
 so its order, names and fingerprint are what tracing all L blocks gives: tests check
 that they are equal, and a caller that cannot stretch (None) traces the whole model.
 
+Blocks before the first alike one (DeepSeek-V3's dense layers before its expert layers)
+are traced too and kept as they are: the sample is those and four alike blocks.
+
 Stretching refuses (None) where the two inner blocks are not wired alike (a block that
 reads two blocks back, one with its own constants or submodule bodies), where anything
 outside the blocks reads an inner block (a model that returns every block's hidden
@@ -36,6 +39,8 @@ from autopar.passes.trace.trace import GraphInput, TracedGraph, fingerprint, tra
 
 SAMPLE = 4  # the blocks traced: first, two inner (compared with each other), last
 PLAIN_TYPES = (bool, int, float, str, tuple, type(None))
+# what torch.export's nn_module_stack records for a module under the trace's wrapper (_TensorLeafCall.model)
+WRAPPER = "model"
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,6 @@ def cut(model: nn.Module, sample: BlockSample) -> Iterator[None]:
     finally:
         parent._modules[name] = whole
 
-
-# what torch.export's nn_module_stack records for a module under the trace's wrapper (_TensorLeafCall.model)
-WRAPPER = "model"
 
 def stretched_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Optional[torch.dtype] = None
                     ) -> TracedGraph:
