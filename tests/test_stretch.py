@@ -139,3 +139,34 @@ def test_a_model_no_deeper_than_the_sample_is_traced_as_it_is():
     model, kwargs = build("llama", num_hidden_layers=SAMPLE).train(), inputs("llama", batch=2)[1]
     assert alike_blocks(model) is None
     assert stretched_trace(model, (), kwargs).fingerprint == trace(model, (), kwargs).fingerprint
+
+
+class _Residual(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) + x
+
+
+class _Stateless(nn.Module):
+    """A projection, then blocks without parameters or buffers."""
+
+    def __init__(self, depth: int = LAYERS) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_Residual() for _ in range(depth))
+
+    def forward(self, x):
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_blocks_without_state_stretch():
+    """The copies of a block without state have no placeholders of their own."""
+    model, x = _Stateless(), torch.randn(4, 8)
+    sample = alike_blocks(model)
+    with cut(model, sample):
+        short = trace(model, (x,))
+    made = stretched_graph(short, sample.container, sample.blocks)
+    whole = trace(model, (x,))
+    assert made is not None and made.fingerprint == whole.fingerprint and made.gm.code == whole.gm.code

@@ -274,7 +274,7 @@ def _build(traced: TracedGraph, container: str, blocks: int, first: int, members
         env[node] = graph.node_copy(node, lambda a: env[a])
     for index in copies:
         previous = copied.get(index - 1, {}) if index - 1 > first + inner else None
-        mine = copied[index]
+        mine = copied.setdefault(index, {})  # a block without state has no placeholders to start it
         for node in (n for n in members[inner] if n.op != "placeholder"):
             mine[node] = graph.node_copy(node, lambda a: _source(a, mine, previous, members, owner, env))
             _move_module_path(mine[node], container, first + inner, index)
