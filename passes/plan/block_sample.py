@@ -10,9 +10,11 @@ kinds of block: the first (it reads what the embeddings make), the inner ones, t
 them costs as much as the model is deep (the 405B shape: 19 s of torch.export and a
 5 s solve for 126 blocks); a sample of SAMPLE blocks costs a few seconds whatever L.
 
-Blocks are alike when every one is of one class with the same parameter and buffer names,
-shapes and dtypes, and the same plain attributes in each submodule, but for integers that
-count the block's place (transformers' layer_idx). The sample's own inner blocks are
+Blocks are alike (passes/trace/stretch.py alike_blocks, which also cuts the container
+and builds whole graphs from such a sample) when every one is of one class with the same
+parameter and buffer names, shapes and dtypes, and the same plain attributes in each
+submodule, but for integers that count the block's place (transformers' layer_idx). Here
+the sample starts at the first block. The sample's own inner blocks are
 compared too (stretched): where their prices differ the sample says nothing for the
 blocks it left out, and the caller traces the whole graph instead. Only the split is
 priced so: every stage's own plan is solved on its own traced graph afterwards.
