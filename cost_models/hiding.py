@@ -74,8 +74,7 @@ class Hideable:
 
     def unpaid_s(self, share: Share) -> float:
         """amortised_s + hidden_s of these steps with `share`: what a step does not pay of them."""
-        amortised = 0.0 if share.sync_every <= 1 else self.bucket_s * (1.0 - 1.0 / share.sync_every)
-        return amortised + self.hidden_s(share)
+        return _amortised(self.bucket_s, share.sync_every) + self.hidden_s(share)
 
 
 def hidden_s(steps: Sequence[Step], costs: CostModel, share: Share) -> float:
@@ -88,9 +87,12 @@ def amortised_s(steps: Sequence[Step], costs: CostModel, sync_every: int) -> flo
     """Of a parameter edge's price, what each backward does not pay where the bucket
     reduces once per `sync_every` backwards (a pipeline stage's microbatches): the
     reduction H it carries, less H / sync_every."""
-    if sync_every <= 1:
-        return 0.0
-    return hideable_s(steps, costs) * (1.0 - 1.0 / sync_every)
+    return _amortised(hideable_s(steps, costs), sync_every) if sync_every > 1 else 0.0
+
+
+def _amortised(bucket_s: float, sync_every: int) -> float:
+    """Of a reduction H made once per `sync_every` backwards, what each does not pay."""
+    return 0.0 if sync_every <= 1 else bucket_s * (1.0 - 1.0 / sync_every)
 
 
 def hideable_s(steps: Sequence[Step], costs: CostModel) -> float:

@@ -129,7 +129,6 @@ class ParamUse:
     edge: Hashable
 
 
-
 @dataclass(frozen=True)
 class Window:
     """An activation edge's window: the program positions [lo, hi) between its producer
@@ -304,7 +303,6 @@ def edge_share_table(params: Sequence[tuple[str, int]], uses: Sequence[ParamUse]
         for w in activations:
             table[w.edge] = Share(0.0, forward[w.edge], backward[w.edge])
     return table
-
 
 
 def plan_hidden_s(nodes: Sequence, edges: Sequence, costs: CostModel, least_backward_s: Sequence[float],

@@ -15,7 +15,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.options import Options
 from autopar.passes.plan.planner import plan_graph
 from autopar.passes.trace import stretch
-from autopar.passes.trace.stretch import SAMPLE, alike_blocks, cut, stretched_graph, stretched_trace
+from autopar.passes.trace.stretch import SAMPLE, BlockSample, alike_blocks, cut, stretched_graph, stretched_trace
 from autopar.passes.trace.trace import trace
 from autopar.tools.simulated import CHEAP_COMM
 from tests.models import build, inputs
@@ -54,7 +54,7 @@ def test_the_stretched_graph_is_the_whole_trace(family):
     sample, short = _sample_trace(model, kwargs)
     assert sample.first == (1 if family == "deepseek_v3" else 0)
     assert len(short.gm.graph.nodes) < len(whole.gm.graph.nodes)
-    made = stretched_graph(short, sample.container, sample.blocks, sample.first)
+    made = stretched_graph(short, sample)
     assert made is not None
     assert made.fingerprint == whole.fingerprint  # ops, wiring, names, shapes and dtypes
     assert made.inputs == whole.inputs  # state-dict names, kinds and order
@@ -71,7 +71,7 @@ def test_a_mixed_precision_trace_stretches_with_each_blocks_casts():
     sample = alike_blocks(model)
     with cut(model, sample):
         short = trace(model, (), kwargs, torch.bfloat16)
-    made = stretched_graph(short, sample.container, sample.blocks)
+    made = stretched_graph(short, sample)
     assert made is not None and made.fingerprint == whole.fingerprint and made.gm.code == whole.gm.code
 
 
@@ -89,7 +89,7 @@ def test_a_model_that_returns_every_blocks_output_is_traced_whole():
     model, kwargs = _model("llama")
     kwargs = dict(kwargs, output_hidden_states=True)
     sample, short = _sample_trace(model, kwargs)
-    assert stretched_graph(short, sample.container, sample.blocks) is None
+    assert stretched_graph(short, sample) is None
     assert stretched_trace(model, (), kwargs).fingerprint == trace(model, (), kwargs).fingerprint
 
 
@@ -111,7 +111,7 @@ def test_blocks_that_read_two_blocks_back_are_traced_whole():
     model, x = _Skipping(), torch.randn(4, 8)
     with cut(model, alike_blocks(model)):
         short = trace(model, (x,))
-    assert stretched_graph(short, "layers", LAYERS) is None
+    assert stretched_graph(short, BlockSample("layers", LAYERS)) is None
     assert stretched_trace(model, (x,), {}).fingerprint == trace(model, (x,)).fingerprint
 
 
@@ -167,6 +167,6 @@ def test_blocks_without_state_stretch():
     sample = alike_blocks(model)
     with cut(model, sample):
         short = trace(model, (x,))
-    made = stretched_graph(short, sample.container, sample.blocks)
+    made = stretched_graph(short, sample)
     whole = trace(model, (x,))
     assert made is not None and made.fingerprint == whole.fingerprint and made.gm.code == whole.gm.code

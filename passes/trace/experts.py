@@ -70,7 +70,8 @@ class _Routing:
 
 
 def collapse_routed_experts(gm: fx.GraphModule) -> int:
-    """Step 4 for every routing found; returns how many were collapsed."""
+    """Step 4 for every routing found; returns how many were collapsed. The caller
+    regenerates gm's code (gm.recompile()) once its passes are done."""
     notes: list[str] = []
     found = 0
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SORTS]:
@@ -85,7 +86,6 @@ def collapse_routed_experts(gm: fx.GraphModule) -> int:
     if found:
         gm.graph.eliminate_dead_code()  # 4. the replaced ops
         gm.graph.lint()
-        gm.recompile()
     moe = any(n.op == "call_function" and (_grouped_mm(n) or n.target is aten.histc.default) for n in gm.graph.nodes)
     gm.meta[NOTES_KEY] = tuple(notes) if moe else ()  # a sort in a model without experts is no routing
     return found

@@ -124,7 +124,7 @@ def stretched_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Op
                 short = trace(model, args, kwargs, param_dtype)
         except TraceError:  # a forward that needs all its blocks
             short = None
-        whole = stretched_graph(short, sample.container, sample.blocks, sample.first) if short is not None else None
+        whole = stretched_graph(short, sample) if short is not None else None
         if whole is not None:
             return whole
     return trace(model, args, kwargs, param_dtype)
@@ -133,10 +133,12 @@ def stretched_trace(model: nn.Module, args: tuple, kwargs: dict, param_dtype: Op
 Wiring = tuple  # per node of a block: (op, target, args and kwargs with inputs as (where, position))
 
 
-def stretched_graph(traced: TracedGraph, container: str, blocks: int, first: int = 0) -> Optional[TracedGraph]:
-    """`traced` (of the model with `container` cut to its first `first` + SAMPLE blocks) with
-    its block `first` + SAMPLE - 2 copied to make `blocks` blocks (module docstring), or None
-    where the sample does not stand for the rest. The blocks before `first` stay as traced."""
+def stretched_graph(traced: TracedGraph, sample: BlockSample) -> Optional[TracedGraph]:
+    """`traced` (of the model cut to `sample`: cut) with its block
+    sample.first + SAMPLE - 2 copied to make sample.blocks blocks (module docstring), or
+    None where the sample does not stand for the rest. The blocks before sample.first stay
+    as traced."""
+    container, blocks, first = sample.container, sample.blocks, sample.first
     if blocks - first <= SAMPLE or traced.buffer_updates or traced.symbolic:
         return None
     by_name = {gi.name: gi for gi in traced.inputs}
@@ -197,7 +199,7 @@ def _ordered(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, i
     block), then the unread ones (assertions, which canonical order sorts by a hash of
     everything upstream) by what they read."""
     unread = [n for n in nodes if n.op == "call_function" and not n.users]
-    read = [n for n in nodes if n not in set(unread)]
+    read = [n for n in nodes if n.op != "call_function" or n.users]
     mine, prev = {n: i for i, n in enumerate(read)}, {n: i for i, n in enumerate(before)}
 
     def key(n: fx.Node) -> str:
@@ -272,34 +274,22 @@ def _build(traced: TracedGraph, container: str, blocks: int, first: int, members
     ops = [n for n in old.nodes if n.op != "placeholder"]
     for node in (n for n in ops if n not in after):
         env[node] = graph.node_copy(node, lambda a: env[a])
+    twin_of = dict(zip(members[inner - 1], members[inner]))  # the block before's node -> the inner block's
     for index in copies:
-        previous = copied.get(index - 1, {}) if index - 1 > first + inner else None
+        previous = copied[index - 1] if index - 1 > first + inner else env  # env: the inner block itself
         mine = copied.setdefault(index, {})  # a block without state has no placeholders to start it
         for node in (n for n in members[inner] if n.op != "placeholder"):
-            mine[node] = graph.node_copy(node, lambda a: _source(a, mine, previous, members, owner, env))
+            mine[node] = graph.node_copy(node, lambda a: mine[a] if owner.get(a) == inner else
+                                         previous[twin_of[a]] if owner.get(a) == inner - 1 else env[a])
             _move_module_path(mine[node], container, first + inner, index)
-    final = copied.get(blocks - 2)
+    final = copied[blocks - 2]  # the last copy: what the last block reads for the inner block's values
     for node in (n for n in ops if n in after):
-        env[node] = graph.node_copy(node, lambda a: final[a] if final is not None and owner.get(a) == inner else env[a])
+        env[node] = graph.node_copy(node, lambda a: final[a] if owner.get(a) == inner else env[a])
         if owner.get(node) == last:
             _move_module_path(env[node], container, first + last, blocks - 1)
     canonicalise(graph)
     gm = fx.GraphModule(traced.gm, graph)
     return replace(traced, gm=gm, inputs=tuple(inputs), fingerprint=fingerprint(gm))
-
-
-def _source(a: fx.Node, mine: dict, previous: Optional[dict], members: list[list[fx.Node]],
-            owner: dict[fx.Node, int], env: dict) -> fx.Node:
-    """What a copy of the inner block reads for the inner block's input `a`: its own node,
-    the previous copy's twin of the block before's node (the inner block itself, for the
-    first copy), or the node outside the blocks."""
-    inner = SAMPLE - 2
-    if owner.get(a) == inner:
-        return mine[a]
-    if owner.get(a) == inner - 1:
-        twin = members[inner][members[inner - 1].index(a)]
-        return previous[twin] if previous is not None else env[twin]
-    return env[a]
 
 
 def _value(node: fx.Node) -> Optional[tuple]:
