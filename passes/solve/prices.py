@@ -33,13 +33,20 @@ def node_costs(graph: AnnotatedGraph, costs: CostModel) -> dict[str, list[float]
 def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> dict[str, list[int]]:
     """Bytes per rank of every node's strategies; in training an op counts the outputs
     autograd keeps for backward (passes/trace/saved.py), the output node what it returns.
-    What is made per microbatch (the
-    graph's inputs and its ops' outputs) counts Options.activations_in_flight times."""
+    What is made per microbatch (the graph's inputs and its ops' outputs) counts
+    Options.activations_in_flight times. Priced once per (kind, op, kept outputs, strategy list), as node_costs is."""
     kept = kept_outputs(graph, costs)
-    return {n.name: [node_bytes(n.kind, n.call.target if n.call else None, s.outputs, graph.mesh.shape,
-                                costs.training, options.optimizer_state_bytes, kept.get(n.name, ()), s.inputs)
-                     * activation_copies(n.kind, options) for s in n.strategies]
-            for n in graph.nodes}
+    out: dict[str, list[int]] = {}
+    priced: dict[tuple, list[int]] = {}
+    for n in graph.nodes:
+        target, saved = n.call.target if n.call else None, kept.get(n.name, ())
+        key = (n.kind, target, saved, tuple(map(id, n.strategies)))
+        if key not in priced:
+            copies = activation_copies(n.kind, options)
+            priced[key] = [node_bytes(n.kind, target, s.outputs, graph.mesh.shape, costs.training,
+                                      options.optimizer_state_bytes, saved, s.inputs) * copies for s in n.strategies]
+        out[n.name] = list(priced[key])
+    return out
 
 
 def activation_copies(kind: NodeKind, options: Options) -> int:
