@@ -10,6 +10,7 @@ import torch
 
 import autopar
 from autopar.core.kinds import NodeKind
+from autopar.core.links import Link
 from autopar.core.plan import Plan
 from autopar.passes.plan.mesh_choice import factorisations, mesh_candidates
 from tests import models
@@ -69,6 +70,30 @@ def test_a_candidate_the_time_limit_stopped_is_listed_as_not_proven(tmp_path):
     path = tmp_path / "plan.json"
     listed.to_json(path)
     assert Plan.from_json(path).mesh_candidates == listed.mesh_candidates
+
+
+def test_a_three_axis_candidate_starts_from_the_cheapest_plan_of_its_merged_meshes(monkeypatch):
+    """Over 2 nodes both (4, 2) and (2, 4) are planned before (2, 2, 2), and each is one of
+    its plans (its outer or its inner pair merged): the solve starts from the cheaper one."""
+    from autopar.passes.plan import mesh_choice
+    handed: dict[tuple[int, ...], object] = {}
+    made: dict[tuple[int, ...], Plan] = {}
+    plan_graph = mesh_choice.plan_graph
+
+    def spied(traced, mesh, options, coarse=None):
+        handed[mesh.shape] = coarse
+        made[mesh.shape] = plan_graph(traced, mesh, options, coarse=coarse)
+        return made[mesh.shape]
+    monkeypatch.setattr(mesh_choice, "plan_graph", spied)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.plan(MLP().train(), (torch.randn(4096, 16),), mesh="auto", devices=8, nodes=2, device="cpu",
+                     links={"inter": Link(1e-3, 1e-8, "slow")})  # a slow link between nodes: the orders differ
+    assert [s for s, c in handed.items() if c is not None] == [(2, 2, 2)]
+    assert made[(2, 4)].total_s != made[(4, 2)].total_s
+    cheaper = min(made[(2, 4)], made[(4, 2)], key=lambda p: p.total_s)
+    assert handed[(2, 2, 2)] is cheaper
+    assert made[(2, 2, 2)].solver.start.startswith(f"the {cheaper.mesh.shape} plan's layouts")
 
 
 @pytest.mark.slow  # six budgeted solves of GPT-2

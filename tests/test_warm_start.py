@@ -13,7 +13,7 @@ import autopar.passes.solve.solve as solve_module
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Replicate, Shard, Spec, TensorMeta
 from autopar.passes.solve.solver_backend import Solution, SolveStatus
-from autopar.passes.solve.warm_start import merged_axes, refined
+from autopar.passes.solve.warm_start import merged_axes, merges, refined
 from tests.models import MLP
 
 R = Replicate()
@@ -30,6 +30,13 @@ def _plan(model, args, **kw):
     ((2, 2, 2, 2), (2, 2, 4), 2)])
 def test_the_innermost_adjacent_pair_of_real_axes_is_merged(shape, merged, axis):
     assert merged_axes(Mesh(shape)) == (Mesh(merged), axis)
+
+
+def test_every_adjacent_pair_of_real_axes_can_be_merged_outermost_first():
+    assert merges(Mesh((2, 4, 8))) == ((Mesh((8, 8)), 0), (Mesh((2, 32)), 1))
+    assert merges(Mesh((2, 1, 2, 2))) == ((Mesh((2, 1, 4)), 2),)
+    assert merges(Mesh((2, 2, 2, 2))) == ((Mesh((4, 2, 2)), 0), (Mesh((2, 4, 2)), 1), (Mesh((2, 2, 4)), 2))
+    assert merges(Mesh((2, 4))) == ()
 
 
 @pytest.mark.parametrize("shape", [(8,), (2, 4), (2, 1, 4), (1, 2, 1, 2)])

@@ -27,7 +27,7 @@ from autopar.core.plan_parts import MeshCandidate
 from autopar.passes.plan.planner import plan_graph
 from autopar.passes.plan.planning import DeviceMemoryWarning, planning_inputs, warn_over_memory
 from autopar.passes.solve.solver_backend import SolveStatus
-from autopar.passes.solve.warm_start import merged_axes
+from autopar.passes.solve.warm_start import merges
 from autopar.passes.trace.stretch import stretched_trace
 from autopar.passes.trace.trace import TracedGraph
 
@@ -81,13 +81,12 @@ def chosen_plan(traced: TracedGraph, devices: int, options: Options) -> Plan:
     check_mesh_request(options)
     tried: list[MeshCandidate] = []
     best: Optional[Plan] = None
-    planned: dict[tuple[int, ...], Plan] = {}  # a three-axis candidate starts from its merged mesh's plan
+    planned: dict[tuple[int, ...], Plan] = {}  # a three-axis candidate starts from a merged mesh's plan
     for mesh in mesh_candidates(devices, options.nodes):
-        merged = merged_axes(mesh)
         try:
             with warnings.catch_warnings():  # the plan returned warns, once (below)
                 warnings.simplefilter("ignore", DeviceMemoryWarning)
-                plan = plan_graph(traced, mesh, options, coarse=planned.get(merged[0].shape) if merged else None)
+                plan = plan_graph(traced, mesh, options, coarse=cheapest_merge(mesh, planned))
         except SolverError as e:  # a MemoryBudgetError among them
             tried.append(MeshCandidate(mesh.shape, None, None, f"{type(e).__name__}: {e}"))
             continue
@@ -100,6 +99,14 @@ def chosen_plan(traced: TracedGraph, devices: int, options: Options) -> Plan:
                           + "\n".join(f"  {c}" for c in tried))
     warn_over_memory(best, options)
     return replace(best, mesh_candidates=tuple(tried))
+
+
+def cheapest_merge(mesh: Mesh, planned: dict[tuple[int, ...], Plan]) -> Optional[Plan]:
+    """Of the plans made for `mesh` with two adjacent axes merged, the cheapest (the first
+    of equals): every such plan is one of `mesh`'s, so the solve starts no worse than the
+    best candidate it refines ((2, 4, 8) over 8 nodes from (8, 8), not from (2, 32))."""
+    made = [planned[m.shape] for m, _ in merges(mesh) if m.shape in planned]
+    return min(made, key=lambda p: p.total_s, default=None)
 
 
 def _unproven_bound(plan: Plan) -> Optional[float]:

@@ -25,7 +25,7 @@ from autopar.cost_models.shipped import shipped_profile_path
 from autopar.core.errors import SolverError
 from autopar.passes.solve.solve import solve
 from autopar.passes.solve.solver_backend import solver_name
-from autopar.passes.solve.warm_start import StartingLayouts, merged_axes, refined
+from autopar.passes.solve.warm_start import StartingLayouts, merged_axes, merges, refined
 from autopar.passes.strategies.output_layouts import outputs_left_split
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace.stretch import stretched_trace
@@ -46,9 +46,9 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
                    coarse: Optional[Plan] = None, memory_price: float = 0.0) -> Plan:
     """The solve for a graph whose strategies are known (the profiler times those
     strategies' ops first, so it annotates once and plans from the same graph). On a
-    mesh of three axes or more the solver starts from the plan of the mesh with two of
-    them merged (passes/solve/warm_start.py): `coarse` when it is that plan, else one
-    solved here first. `memory_price`: seconds per byte (passes/solve/solve.py solve)."""
+    mesh of three axes or more the solver starts from the plan of the mesh with two
+    adjacent axes merged (passes/solve/warm_start.py): `coarse` when it is the plan of
+    one such merge, else the innermost merge's, solved here first. `memory_price`: seconds per byte (passes/solve/solve.py solve)."""
     if options.sharded_outputs:
         graph = outputs_left_split(graph)
     traced, mesh = graph.traced, graph.mesh
@@ -85,15 +85,18 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
 
 
 def _warm_start(graph: AnnotatedGraph, options: Options, coarse: Optional[Plan]) -> Optional[StartingLayouts]:
-    merged = merged_axes(graph.mesh)
-    if merged is None or solver_name(options) != "highs":  # CBC takes no start here
+    """The start of a mesh of three axes or more: `coarse` carried over where it is the
+    plan of one of its merges, else the plan of its innermost merge, solved here."""
+    handed = {m.shape: k for m, k in merges(graph.mesh)}
+    if not handed or solver_name(options) != "highs":  # CBC takes no start here
         return None
-    mesh, axis = merged
-    if coarse is None or coarse.mesh.shape != mesh.shape:
-        try:
-            coarse = plan_annotated(annotate(graph.traced, mesh, None, options.discover_rules), options)
-        except SolverError:  # no plan on the merged mesh (its budget, say): the finer one starts from nothing
-            return None
+    if coarse is not None and coarse.mesh.shape in handed:
+        return refined(coarse, handed[coarse.mesh.shape])
+    mesh, axis = merged_axes(graph.mesh)
+    try:
+        coarse = plan_annotated(annotate(graph.traced, mesh, None, options.discover_rules), options)
+    except SolverError:  # no plan on the merged mesh (its budget, say): the finer one starts from nothing
+        return None
     return refined(coarse, axis)
 
 

@@ -1,7 +1,7 @@
 """A first plan for the solver: the layouts a coarser mesh's plan chose, carried onto a mesh
 with one more axis.
 
-    Mesh (.., a, b, ..)           -> (.., a*b, ..) and the axis merged     (merged_axes)
+    Mesh (.., a, b, ..)           -> (.., a*b, ..) and the axis merged     (merges, merged_axes)
     Plan on (.., a*b, ..), axis k -> StartingLayouts on (.., a, b, ..)     (refined)
     StartingLayouts, IlpModel, IlpVariables -> group -> choice               (starting_picks)
     group -> choice, IlpModel, Ilp -> the solver's starting columns          (starting_solution)
@@ -54,17 +54,21 @@ class StartingLayouts:
     layouts: Mapping[str, tuple[Layouts, Layouts]]
 
 
-def merged_axes(mesh: Mesh) -> Optional[tuple[Mesh, int]]:
-    """The mesh with its innermost pair of adjacent axes of size 2 or more merged, and the
-    merged axis's index; None when the mesh has fewer than three such axes (a two-axis
-    ILP is solved directly)."""
+def merges(mesh: Mesh) -> tuple[tuple[Mesh, int], ...]:
+    """The mesh with each pair of adjacent axes of size 2 or more merged, outermost pair
+    first, each with the merged axis's index; none when the mesh has fewer than three such
+    axes (a two-axis ILP is solved directly). Any of them can start the solve: a caller
+    that has planned several hands the cheapest (passes/plan/mesh_choice.py)."""
     if sum(n > 1 for n in mesh.shape) < 3:
-        return None
+        return ()
     shape = mesh.shape
-    for k in range(len(shape) - 2, -1, -1):
-        if shape[k] > 1 and shape[k + 1] > 1:
-            return Mesh(shape[:k] + (shape[k] * shape[k + 1],) + shape[k + 2:]), k
-    return None
+    return tuple((Mesh(shape[:k] + (shape[k] * shape[k + 1],) + shape[k + 2:]), k)
+                 for k in range(len(shape) - 1) if shape[k] > 1 and shape[k + 1] > 1)
+
+
+def merged_axes(mesh: Mesh) -> Optional[tuple[Mesh, int]]:
+    """The merge a solve starts from when it is handed none: the innermost pair."""
+    return merges(mesh)[-1] if merges(mesh) else None
 
 
 def refined(plan: Plan, axis: int) -> StartingLayouts:
