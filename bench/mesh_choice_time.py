@@ -6,7 +6,7 @@ last lines: the mesh chosen, the total seconds and the process's peak memory.
 
     python bench/mesh_choice_time.py [--devices 8] [--time-limit-s 120]
 
-Three-axis candidates start from their merged two-axis candidate's plan
+Three-axis candidates start from the cheapest plan of their merged two-axis meshes
 (passes/solve/warm_start.py); that is why the two-axis ones come first.
 """
 
