@@ -59,7 +59,7 @@ def split_model(model: nn.Module, args: tuple, kwargs: dict, points: tuple[str, 
     model is left as it was (and can be split again). torch.distributed.pipelining is
     imported here, not with this module: it brings torch._dynamo and DTensor along.
     The split's graph modules generate their code when first called, not at each of
-    the split's ~10^3 graph edits (the 70B shape: 30 s, from 35)."""
+    the split's ~10^3 graph edits (about a sixth of the 70B shape's split)."""
     from torch.distributed import pipelining as pp
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     split = {name: pp.SplitPoint.BEGINNING for name in points}

@@ -25,7 +25,7 @@ from autopar.cost_models.shipped import shipped_profile_path
 from autopar.core.errors import SolverError
 from autopar.passes.solve.solve import solve
 from autopar.passes.solve.solver_backend import solver_name
-from autopar.passes.solve.warm_start import StartingLayouts, merged_axes, merges, refined
+from autopar.passes.solve.warm_start import StartingLayouts, merges, refined
 from autopar.passes.strategies.output_layouts import outputs_left_split
 from autopar.passes.strategies.strategies import AnnotatedGraph, annotate
 from autopar.passes.trace.stretch import stretched_trace
@@ -48,7 +48,8 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
     strategies' ops first, so it annotates once and plans from the same graph). On a
     mesh of three axes or more the solver starts from the plan of the mesh with two
     adjacent axes merged (passes/solve/warm_start.py): `coarse` when it is the plan of
-    one such merge, else the innermost merge's, solved here first. `memory_price`: seconds per byte (passes/solve/solve.py solve)."""
+    one such merge, else the innermost merge's, solved here first. `memory_price`:
+    seconds per byte (passes/solve/solve.py solve)."""
     if options.sharded_outputs:
         graph = outputs_left_split(graph)
     traced, mesh = graph.traced, graph.mesh
@@ -87,12 +88,13 @@ def plan_annotated(graph: AnnotatedGraph, options: Options, profile: Optional[Pr
 def _warm_start(graph: AnnotatedGraph, options: Options, coarse: Optional[Plan]) -> Optional[StartingLayouts]:
     """The start of a mesh of three axes or more: `coarse` carried over where it is the
     plan of one of its merges, else the plan of its innermost merge, solved here."""
-    handed = {m.shape: k for m, k in merges(graph.mesh)}
-    if not handed or solver_name(options) != "highs":  # CBC takes no start here
+    merged = merges(graph.mesh)
+    if not merged or solver_name(options) != "highs":  # CBC takes no start here
         return None
+    handed = {m.shape: k for m, k in merged}
     if coarse is not None and coarse.mesh.shape in handed:
         return refined(coarse, handed[coarse.mesh.shape])
-    mesh, axis = merged_axes(graph.mesh)
+    mesh, axis = merged[-1]  # the innermost merge (merged_axes)
     try:
         coarse = plan_annotated(annotate(graph.traced, mesh, None, options.discover_rules), options)
     except SolverError:  # no plan on the merged mesh (its budget, say): the finer one starts from nothing

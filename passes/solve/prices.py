@@ -34,7 +34,8 @@ def node_memory(graph: AnnotatedGraph, costs: CostModel, options: Options) -> di
     """Bytes per rank of every node's strategies; in training an op counts the outputs
     autograd keeps for backward (passes/trace/saved.py), the output node what it returns.
     What is made per microbatch (the graph's inputs and its ops' outputs) counts
-    Options.activations_in_flight times. Priced once per (kind, op, kept outputs, strategy list), as node_costs is."""
+    Options.activations_in_flight times. Priced once per (kind, op, kept outputs,
+    strategy list), as node_costs is."""
     kept = kept_outputs(graph, costs)
     out: dict[str, list[int]] = {}
     priced: dict[tuple, list[int]] = {}

@@ -68,7 +68,8 @@ def merges(mesh: Mesh) -> tuple[tuple[Mesh, int], ...]:
 
 def merged_axes(mesh: Mesh) -> Optional[tuple[Mesh, int]]:
     """The merge a solve starts from when it is handed none: the innermost pair."""
-    return merges(mesh)[-1] if merges(mesh) else None
+    merged = merges(mesh)
+    return merged[-1] if merged else None
 
 
 def refined(plan: Plan, axis: int) -> StartingLayouts:
