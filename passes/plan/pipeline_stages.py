@@ -32,13 +32,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from autopar.core.log import logged
+from autopar.core.log import LOG, logged
 from autopar.core.options import Options
 from autopar.core.pipeline import PipelineError, PipelinePlan, Schedule, Stage, stage_mesh
 from autopar.core.plan import Plan
 from autopar.passes.plan.pipeline_relay import Relayed, relay_skips
 from autopar.passes.plan.forked import map_forked
 from autopar.passes.plan.planning import plan_traced, trace_for_planning
+from autopar.passes.plan.stage_sample import NotStretched, StageSample, short_model, stage_graph, stage_sample
 from autopar.passes.trace.trace import TracedGraph, cast_floating
 
 Pins = Callable[[TracedGraph], dict]  # a stage's traced graph -> plan_traced's `pinned`
@@ -175,16 +176,31 @@ def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
     `rank_budget`: the bytes a pipeline rank holding several stages (interleaved) may
     use; what its stages' plans leave of it goes to those that gave up speed for their
     share (spend_slack). The stages are traced and solved side by side, in forked
-    workers (passes/plan/forked.py)."""
+    workers (passes/plan/forked.py). The stages are split from a model holding a
+    sample of each stage's blocks where they stretch (passes/plan/stage_sample.py), else
+    from the whole model."""
+    sample = stage_sample(model, plan.pipeline)
+    if sample is not None:
+        try:
+            return _stage_plans(model, mb_args, mb_kwargs, plan, options_of, pins_of, rank_budget, sample)
+        except NotStretched as refusal:
+            LOG.info("stages planned from the whole model's split: %s", refusal)
+    return _stage_plans(model, mb_args, mb_kwargs, plan, options_of, pins_of, rank_budget, None)
+
+
+def _stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
+                 options_of: Callable[[Stage], Options], pins_of: Optional[Pins], rank_budget: Optional[int],
+                 sample: Optional[StageSample]) -> tuple[Plan, ...]:
     p = plan.pipeline
-    split = split_stages(model, mb_args, mb_kwargs, p, plan.training, options_of(p.stages[0]).param_dtype)
+    split = _planning_split(model, mb_args, mb_kwargs, plan, options_of(p.stages[0]).param_dtype, sample)
     sub = stage_mesh(plan.mesh, p.axis)
 
     @functools.cache  # spend_slack solves a stage again: traced once here (in the workers: each its own)
     def traced(stage: Stage) -> TracedGraph:
         args, kwargs = stage_inputs(split, stage.index, mb_args, mb_kwargs)
-        return trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
-                                  options_of(stage).param_dtype)
+        short = trace_for_planning(split.modules[stage.index], own_inputs(split, stage.index, args), kwargs,
+                                   options_of(stage).param_dtype)
+        return stage_graph(short, sample.spans[stage.index], stage.index) if sample is not None else short
 
     def planned(stage: Stage, options: Options) -> Plan:
         graph = traced(stage)
@@ -194,6 +210,21 @@ def stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
         return tuple(out)
     return spend_slack(out, p.stages, rank_budget,
                        lambda stage, budget: planned(stage, replace(options_of(stage), memory_budget_bytes=budget)))
+
+
+def _planning_split(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
+                    param_dtype: Optional[torch.dtype], sample: Optional[StageSample]) -> StageSplit:
+    """split_stages of the whole model, or of the short model `sample` keeps; a short
+    model that does not split is a NotStretched (a PipelineError is the whole model's too)."""
+    if sample is None:
+        return split_stages(model, mb_args, mb_kwargs, plan.pipeline, plan.training, param_dtype)
+    try:
+        with short_model(model, sample):
+            return split_stages(model, mb_args, mb_kwargs, plan.pipeline, plan.training, param_dtype)
+    except PipelineError:
+        raise
+    except Exception as failure:  # a forward that needs all its blocks (indexes them by count, say)
+        raise NotStretched(f"the short model does not split: {type(failure).__name__}: {failure}") from failure
 
 
 # a stage plan within this fraction of its budget was bound by it (may be faster with more)

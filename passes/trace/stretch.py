@@ -51,6 +51,23 @@ class BlockSample:
     blocks: int
     first: int = 0  # the first of the alike blocks: those before it differ (DeepSeek-V3's dense layers)
 
+    @property
+    def span(self) -> "BlockSpan":
+        """What the trace of the model cut to this sample (cut) holds and stands for."""
+        return BlockSpan(self.container, tuple(range(self.first, self.first + SAMPLE)), self.blocks - 1)
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """The SAMPLE alike blocks a trace holds, by the index the trace names each with, and
+    the index the last of them stands for: the blocks between the third and the last are
+    copies of the third (the first three keep their indices). Any blocks the trace holds
+    before the first are unlike ones, kept as they are."""
+
+    container: str
+    traced: tuple[int, ...]  # SAMPLE block indices, ascending
+    last: int  # the index the last traced block gets
+
 
 def alike_blocks(model: nn.Module, after_unlike: bool = False) -> Optional[BlockSample]:
     """The model's block container (of the ModuleLists and Sequentials outside any block,
@@ -138,14 +155,22 @@ def stretched_graph(traced: TracedGraph, sample: BlockSample) -> Optional[Traced
     sample.first + SAMPLE - 2 copied to make sample.blocks blocks (module docstring), or
     None where the sample does not stand for the rest. The blocks before sample.first stay
     as traced."""
-    container, blocks, first = sample.container, sample.blocks, sample.first
-    if blocks - first <= SAMPLE or traced.buffer_updates or traced.symbolic:
+    return stretched_span(traced, sample.span)
+
+
+def stretched_span(traced: TracedGraph, span: BlockSpan) -> Optional[TracedGraph]:
+    """`traced`, holding the blocks of `span`, with the third of them copied into each
+    index between it and span.last and the last block named span.last (BlockSpan), or
+    None where the sample does not stand for the rest (module docstring)."""
+    inner_index = span.traced[SAMPLE - 2]
+    if span.last - inner_index < 2 or traced.buffer_updates or traced.symbolic:  # no block to copy
         return None
     by_name = {gi.name: gi for gi in traced.inputs}
-    owner = _block_owner(traced.gm, by_name, container, first + SAMPLE)
+    owner = _block_owner(traced.gm, by_name, span.container, span.traced)
     if owner is None:
         return None
-    owner = {n: b - first for n, b in owner.items() if b >= first}  # the sample's blocks 0..SAMPLE-1
+    position = {index: place for place, index in enumerate(span.traced)}
+    owner = {n: position[b] for n, b in owner.items() if b in position}  # the sample's blocks 0..SAMPLE-1
     members: list[list[fx.Node]] = [[] for _ in range(SAMPLE)]
     for node in traced.gm.graph.nodes:
         if node in owner:
@@ -159,16 +184,16 @@ def stretched_graph(traced: TracedGraph, sample: BlockSample) -> Optional[Traced
     outside_reads = {owner.get(i) for n in traced.gm.graph.nodes if n not in owner for i in n.all_input_nodes}
     if outside_reads & set(range(1, last)):
         return None
-    return _build(traced, container, blocks, first, members, owner, by_name)
+    return _build(traced, span, members, owner, by_name)
 
 
-def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: str, count: int
+def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: str, sample: tuple[int, ...]
                  ) -> Optional[dict[fx.Node, int]]:
     """Each node of a block -> the block's index: a parameter or buffer by its state-dict
     name, an op by the innermost module it ran in, or, run outside every module, when it
     reads one block's state alone (the casts of Options.param_dtype, made by the trace's
-    wrapper); None where the sample's blocks are not all there, or a block holds anything
-    but parameters, buffers and ops."""
+    wrapper); None where the sample's blocks are not all there, other blocks than those
+    before the sample's are, or a block holds anything but parameters, buffers and ops."""
     state = re.compile(rf"^{re.escape(container)}\.(\d+)\.")
     module = re.compile(rf"^{re.escape(WRAPPER)}\.{re.escape(container)}\.(\d+)(\.|$)")
     owner: dict[fx.Node, int] = {}
@@ -190,7 +215,8 @@ def _block_owner(gm: fx.GraphModule, by_name: dict[str, GraphInput], container: 
                 return None  # a submodule body: each block's own in a whole trace
         if match is not None:
             owner[node] = int(match.group(1))
-    return owner if set(owner.values()) == set(range(count)) else None
+    found = set(owner.values())
+    return owner if found >= set(sample) and all(b < sample[0] for b in found - set(sample)) else None
 
 
 def _ordered(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, int]) -> list[fx.Node]:
@@ -230,21 +256,22 @@ def _wiring(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, in
         return None
 
 
-def _build(traced: TracedGraph, container: str, blocks: int, first: int, members: list[list[fx.Node]],
+def _build(traced: TracedGraph, span: BlockSpan, members: list[list[fx.Node]],
            owner: dict[fx.Node, int], by_name: dict[str, GraphInput]) -> Optional[TracedGraph]:
     inner, last = SAMPLE - 2, SAMPLE - 1
+    container, named = span.container, span.traced
     old = traced.gm.graph
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}  # old node -> new, for everything but the copies
     inputs: list[GraphInput] = []
-    copies = range(first + inner + 1, blocks - 1)  # the new blocks' indices
+    copies = range(named[inner] + 1, span.last)  # the new blocks' indices
     copied: dict[int, dict[fx.Node, fx.Node]] = {}  # index -> block `inner`'s node -> its copy
 
     def renamed(node: fx.Node, index: int) -> Optional[GraphInput]:
         """The placeholder of `node`'s state in block `index`: torch.export names it after
         the state-dict name, underscored and lower-cased ('p_model_layers_3_mlp_up_proj_weight')."""
         gi = by_name[node.name]
-        here = f"_{container.replace('.', '_').lower()}_{first + owner[node]}_"
+        here = f"_{container.replace('.', '_').lower()}_{named[owner[node]]}_"
         if node.name.count(here) != 1:
             return None
         name = node.name.replace(here, f"_{container.replace('.', '_').lower()}_{index}_")
@@ -256,7 +283,7 @@ def _build(traced: TracedGraph, container: str, blocks: int, first: int, members
     for node in placeholders:
         gi = by_name[node.name]
         if owner.get(node) == last:
-            gi = renamed(node, blocks - 1)
+            gi = renamed(node, span.last)
         if gi is None:
             return None
         env[node] = _placeholder(graph, node, gi.name)
@@ -276,17 +303,17 @@ def _build(traced: TracedGraph, container: str, blocks: int, first: int, members
         env[node] = graph.node_copy(node, lambda a: env[a])
     twin_of = dict(zip(members[inner - 1], members[inner]))  # the block before's node -> the inner block's
     for index in copies:
-        previous = copied[index - 1] if index - 1 > first + inner else env  # env: the inner block itself
+        previous = copied[index - 1] if index - 1 > named[inner] else env  # env: the inner block itself
         mine = copied.setdefault(index, {})  # a block without state has no placeholders to start it
         for node in (n for n in members[inner] if n.op != "placeholder"):
             mine[node] = graph.node_copy(node, lambda a: mine[a] if owner.get(a) == inner else
                                          previous[twin_of[a]] if owner.get(a) == inner - 1 else env[a])
-            _move_module_path(mine[node], container, first + inner, index)
-    final = copied[blocks - 2]  # the last copy: what the last block reads for the inner block's values
+            _move_module_path(mine[node], container, named[inner], index)
+    final = copied[span.last - 1]  # the last copy: what the last block reads for the inner block's values
     for node in (n for n in ops if n in after):
         env[node] = graph.node_copy(node, lambda a: final[a] if owner.get(a) == inner else env[a])
         if owner.get(node) == last:
-            _move_module_path(env[node], container, first + last, blocks - 1)
+            _move_module_path(env[node], container, named[last], span.last)
     canonicalise(graph)
     gm = fx.GraphModule(traced.gm, graph)
     return replace(traced, gm=gm, inputs=tuple(inputs), fingerprint=fingerprint(gm))
