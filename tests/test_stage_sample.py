@@ -86,8 +86,22 @@ def test_kept_blocks_index_and_slice_by_position():
     kept = KeptBlocks.of({str(k): blocks[k] for k in (0, 1, 4, 5)})
     assert [name for name, _ in kept.named_children()] == ["0", "1", "4", "5"]
     assert kept[2] is blocks[4] and kept[-1] is blocks[5] and list(kept[1:3]) == [blocks[1], blocks[4]]
+    assert [name for name, _ in kept[1:3].named_children()] == ["1", "4"]
     with pytest.raises(IndexError):
         kept[4]
+    with pytest.raises(TypeError):
+        kept.append(nn.Linear(2, 2))
+
+
+def test_a_container_subclass_keeps_the_whole_split():
+    """A subclass's own forward would be lost in the short model."""
+    class Residual(nn.Sequential):
+        def forward(self, x):
+            for block in self:
+                x = x + block(x)
+            return x
+    model = nn.Sequential(Residual(*(nn.Linear(4, 4) for _ in range(12))))
+    assert stage_sample(model, _pipeline("0", ((0, 6), (6, 12)))) is None
 
 
 def _pipelined_plan(model, kwargs):
@@ -99,11 +113,12 @@ def test_a_plan_from_the_short_split_is_the_plan_from_the_whole_split(monkeypatc
     model, kwargs = _model("llama")
     splits = []
     real = pipeline_stages.split_stages
-    monkeypatch.setattr(pipeline_stages, "split_stages", lambda m, *a: splits.append(len(m.model.layers)) or real(m, *a))
+    monkeypatch.setattr(pipeline_stages, "split_stages",
+                        lambda m, *a: splits.append(len(m.model.layers)) or real(m, *a))
     short = _pipelined_plan(model, kwargs)
     monkeypatch.setattr(pipeline_stages, "stage_sample", lambda *a: None)
     whole = _pipelined_plan(model, kwargs)
-    assert splits[0] < 14 and splits[-1] == 14
+    assert len(splits) == 2 and splits[0] < 14 and splits[1] == 14  # the short split planned them: no fallback
     assert short.digest() == whole.digest()
     assert [p.fingerprint for p in short.stage_plans] == [p.fingerprint for p in whole.stage_plans]
 

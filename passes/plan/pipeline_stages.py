@@ -19,7 +19,9 @@ it), so the stage graphs a rank traces have the fingerprints the plans were made
 3. stage_inputs, own_inputs: what a stage is called with, and what its program is traced
    with (the first stage: the model's own inputs; a relaying stage: without the values it
    only passes on).
-4. stage_plans: step 3's trace of every stage, planned on the sub-mesh.
+4. stage_plans: step 3's trace of every stage, planned on the sub-mesh. It splits a short
+   model whose stage traces stretch to the whole model's (passes/plan/stage_sample.py)
+   where the blocks allow; the runtime splits the whole model.
 """
 
 from __future__ import annotations
@@ -215,14 +217,13 @@ def _stage_plans(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
 def _planning_split(model: nn.Module, mb_args: tuple, mb_kwargs: dict, plan: Plan,
                     param_dtype: Optional[torch.dtype], sample: Optional[StageSample]) -> StageSplit:
     """split_stages of the whole model, or of the short model `sample` keeps; a short
-    model that does not split is a NotStretched (a PipelineError is the whole model's too)."""
+    model that does not split is a NotStretched: the whole model's split raises what is
+    the model's own (a PipelineError too: the short model's stages may pass other values)."""
     if sample is None:
         return split_stages(model, mb_args, mb_kwargs, plan.pipeline, plan.training, param_dtype)
     try:
         with short_model(model, sample):
             return split_stages(model, mb_args, mb_kwargs, plan.pipeline, plan.training, param_dtype)
-    except PipelineError:
-        raise
     except Exception as failure:  # a forward that needs all its blocks (indexes them by count, say)
         raise NotStretched(f"the short model does not split: {type(failure).__name__}: {failure}") from failure
 

@@ -56,6 +56,16 @@ class KeptBlocks(nn.ModuleList):
     def _get_abs_string_index(self, idx: int) -> str:
         return list(self._modules)[operator.index(idx)]
 
+    def __getitem__(self, idx: "int | slice") -> nn.Module:
+        if isinstance(idx, slice):  # the kept blocks in that range, under their own indices
+            return KeptBlocks.of(OrderedDict(list(self._modules.items())[idx]))
+        return self._modules[self._get_abs_string_index(idx)]
+
+    def _fixed(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a short model's blocks are fixed while it is split (passes/plan/stage_sample.py)")
+
+    append = extend = insert = pop = __delitem__ = __iadd__ = _fixed
+
 
 @dataclass(frozen=True)
 class StageSample:
@@ -75,6 +85,8 @@ def stage_sample(model: nn.Module, pipeline: PipelinePlan) -> Optional[StageSamp
     sample = alike_blocks(model, after_unlike=True)
     if sample is None or sample.container != pipeline.container or sample.blocks != pipeline.blocks:
         return None
+    if type(model.get_submodule(sample.container)) not in (nn.ModuleList, nn.Sequential):
+        return None  # a subclass's own forward or attributes: short_model would not keep them
     kept: list[int] = []
     spans: list[Optional[BlockSpan]] = []
     for stage in pipeline.stages:
