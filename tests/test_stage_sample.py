@@ -19,6 +19,7 @@ from autopar.passes.plan.stage_sample import KeptBlocks, short_model, stage_grap
 from autopar.passes.trace.stretch import SAMPLE
 from autopar.tools.simulated import CHEAP_COMM
 from tests.models import build, inputs
+from tests.test_stretch import _Counting, _Skipping
 
 SLOW = pytest.mark.slow
 BOUNDS = ((0, 6), (6, 11), (11, 14))  # the middle stage: one copied block; the last: none (kept whole)
@@ -123,33 +124,11 @@ def test_a_plan_from_the_short_split_is_the_plan_from_the_whole_split(monkeypatc
     assert [p.fingerprint for p in short.stage_plans] == [p.fingerprint for p in whole.stage_plans]
 
 
-class _Counting(nn.Module):
-    """A forward that indexes its blocks by the configured depth: the short model does not run."""
-
-    def __init__(self, depth: int = 12) -> None:
-        super().__init__()
-        self.depth = depth
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
-
-    def forward(self, x):
-        for i in range(self.depth):
-            x = torch.relu(self.layers[i](x))
-        return x.sum()
-
-
-class _Skipping(_Counting):
-    """Each block reads the outputs of the two blocks before it: the stages do not stretch."""
-
-    def forward(self, x):
-        before, now = x, x
-        for layer in self.layers:
-            before, now = now, torch.tanh(layer(now)) + before
-        return now.sum()
-
-
+# _Counting indexes its blocks by the configured depth (the short model does not run);
+# _Skipping's blocks read two blocks back (the stages do not stretch)
 @pytest.mark.parametrize("kind", [_Counting, _Skipping])
 def test_stages_that_do_not_stretch_are_planned_from_the_whole_split(kind, monkeypatch):
-    model, x = kind(), torch.randn(8, 8)
+    model, x = kind(depth=12), torch.randn(4, 8)
     splits = []
     real = pipeline_stages.split_stages
     monkeypatch.setattr(pipeline_stages, "split_stages", lambda m, *a: splits.append(len(m.layers)) or real(m, *a))
