@@ -259,9 +259,7 @@ def _wiring(nodes: list[fx.Node], before: list[fx.Node], owner: dict[fx.Node, in
 def _build(traced: TracedGraph, span: BlockSpan, members: list[list[fx.Node]],
            owner: dict[fx.Node, int], by_name: dict[str, GraphInput]) -> Optional[TracedGraph]:
     inner, last = SAMPLE - 2, SAMPLE - 1
-    container, named = span.container, span.traced
-    old = traced.gm.graph
-    graph = fx.Graph()
+    container, named, old, graph = span.container, span.traced, traced.gm.graph, fx.Graph()
     env: dict[fx.Node, fx.Node] = {}  # old node -> new, for everything but the copies
     inputs: list[GraphInput] = []
     copies = range(named[inner] + 1, span.last)  # the new blocks' indices
