@@ -475,6 +475,24 @@ def test_pipelined_losses_and_gradients_match_one_device():
 
 
 @pytest.mark.slow
+def test_stages_planned_from_a_short_split_run_and_match_one_device():
+    """4 gloo ranks: Llama with 10 layers on (2, 2) under 1F1B, 5 blocks a stage, so rank
+    0 plans the stages from the short model's split (passes/plan/stage_sample.py); the
+    ranks split the whole model, check each stage plan's fingerprint against their own
+    trace, and train as one device does."""
+    from tests.harness import run_ranks
+    from autopar.core.pipeline import PipelinePlan, Schedule
+    from autopar.passes.plan.stage_sample import stage_sample
+    case = dict(family="llama", mesh=(2, 2), axis=0, schedule="1f1b", layers=10, microbatches=2, offline=True)
+    results = run_ranks(4, [(pipeline_case, case)])
+    _check_pipeline(results, 0)
+    stages = tuple(Stage(k, k, first, stop, 0.0, 0, 0.0) for k, (first, stop) in enumerate(results[0][0]["stages"]))
+    assert all(s.stop - s.first > 4 for s in stages), stages
+    pipeline = PipelinePlan(0, 2, Schedule.ONE_F_ONE_B, "model.layers", 10, stages, 0.0, 0.0)
+    assert stage_sample(build("llama", num_hidden_layers=10), pipeline) is not None
+
+
+@pytest.mark.slow
 def test_stages_lean_under_a_budget_and_still_match_one_device():
     """4 gloo ranks: GPT-2 with 4 layers on (2, 2) pipelining axis 0 under 1F1B, planned
     under 45 % of the unbounded plan's bytes: both stages recompute blocks inside their
