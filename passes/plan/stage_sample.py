@@ -34,7 +34,7 @@ from typing import Iterator, Optional
 from torch import nn
 
 from autopar.core.pipeline import PipelinePlan
-from autopar.passes.trace.stretch import SAMPLE, BlockSpan, alike_blocks, stretched_span
+from autopar.passes.trace.stretch import SAMPLE, BlockSpan, alike_blocks, replaced, stretched_span
 from autopar.passes.trace.trace import TracedGraph
 
 
@@ -107,15 +107,11 @@ def stage_sample(model: nn.Module, pipeline: PipelinePlan) -> Optional[StageSamp
 def short_model(model: nn.Module, sample: StageSample) -> Iterator[None]:
     """The model with its block container holding only sample.kept, under their own
     indices, for the duration."""
-    parent_path, _, name = sample.container.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    whole = parent._modules[name]
-    blocks = OrderedDict((str(index), whole[index]) for index in sample.kept)
-    parent._modules[name] = nn.Sequential(blocks) if isinstance(whole, nn.Sequential) else KeptBlocks.of(blocks)
-    try:
+    def kept(whole: nn.Module) -> nn.Module:
+        blocks = OrderedDict((str(index), whole[index]) for index in sample.kept)
+        return nn.Sequential(blocks) if isinstance(whole, nn.Sequential) else KeptBlocks.of(blocks)
+    with replaced(model, sample.container, kept):
         yield
-    finally:
-        parent._modules[name] = whole
 
 
 def stage_graph(traced: TracedGraph, span: Optional[BlockSpan], stage: int) -> TracedGraph:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import fx, nn
@@ -119,11 +119,20 @@ def _alike(first: tuple, other: tuple, first_place: int, place: int) -> bool:
 def cut(model: nn.Module, sample: BlockSample) -> Iterator[None]:
     """The model with its block container holding the blocks before the sample's first and
     SAMPLE blocks from it, for the duration."""
-    parent_path, _, name = sample.container.rpartition(".")
+    def kept(whole: nn.Module) -> nn.Module:
+        blocks = list(whole)[:sample.first + SAMPLE]
+        return type(whole)(*blocks) if isinstance(whole, nn.Sequential) else nn.ModuleList(blocks)
+    with replaced(model, sample.container, kept):
+        yield
+
+
+@contextmanager
+def replaced(model: nn.Module, path: str, make: Callable[[nn.Module], nn.Module]) -> Iterator[None]:
+    """The model with its submodule at `path` replaced by make(that submodule), for the duration."""
+    parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    whole = getattr(parent, name)
-    kept = list(whole)[:sample.first + SAMPLE]
-    parent._modules[name] = type(whole)(*kept) if isinstance(whole, nn.Sequential) else nn.ModuleList(kept)
+    whole = parent._modules[name]
+    parent._modules[name] = make(whole)
     try:
         yield
     finally:
