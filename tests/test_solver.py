@@ -330,14 +330,14 @@ def test_dominance_reads_exact_differences_where_the_cheap_bound_leaves_a_chance
     bound (the worst difference over probe columns) never exceeds them nor falls below
     the difference of the rows' least prices."""
     from autopar.cost_models.edge_prices import INF
-    from autopar.passes.solve.dominance import PROBE_COLUMNS, _pair_worst_difference, _probed_difference, \
-        _worst_difference
+    from autopar.passes.solve.dominance import PROBE_COLUMNS, _pair_worst_difference, _probed_difference
     g = torch.Generator().manual_seed(0)
     width = PROBE_COLUMNS + 5  # more columns than probes, so the bound is not the exact table
     b = torch.rand(23, width, generator=g, dtype=torch.float64)
     b[b > 0.8] = INF  # columns a choice cannot meet
     b[3] = INF  # a choice that meets none
-    full = _worst_difference(b)
+    # [j, i]: the max over the columns r that i can meet of b[j, r] - b[i, r]
+    full = torch.where((b < INF)[None, :, :], b[:, None, :] - b[None, :, :], -INF).max(-1).values
     j, i = torch.meshgrid(torch.arange(23), torch.arange(23), indexing="ij")
     assert torch.equal(_pair_worst_difference(b, j.flatten(), i.flatten()), full.flatten())
     bound = _probed_difference(b)

@@ -188,7 +188,7 @@ def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
         m = nbytes[live]
         maybe &= m[:, None] <= m[None, :]
     if extra is not None:
-        maybe &= extra.no_worse(g, live, nbytes, alive)
+        maybe &= extra.no_worse(g, live, nbytes)
     # D(j, i) is at least own + sum k * (the worst difference over a few probe columns):
     # the exact D is computed only for pairs that bound leaves j a chance, edge by edge,
     # each exact term replacing its probe bound and dropping the pairs it rules out. The
@@ -199,6 +199,9 @@ def _beaten(g: str, time_s: torch.Tensor, nbytes, edges: Touching,
     # differently from the exact D's): by more than SLACK of the terms' magnitudes
     scale = own.abs() + sum((p.abs().nan_to_num(posinf=0.0) for p in probes), torch.zeros(n, n, dtype=torch.float64))
     j, i = (maybe & (bound <= SLACK * scale)).nonzero(as_tuple=True)
+    if extra is not None:  # the recompute edges, pair by pair: only the pairs the cheap tests left
+        kept = extra.edges_no_worse(g, alive, j, i)
+        j, i = j[kept], i[kept]
     gain, scale = own[j, i], scale[j, i]
     # rest[t]: the probe bounds of the edges after edge t summed (0 after the last edge).
     # Without edges the test above is exact: own <= SLACK * |own| only where own <= 0
@@ -220,8 +223,9 @@ class RecomputeTerms:
     dropped: dict[str, torch.Tensor]
     edges: Touching
 
-    def no_worse(self, g: str, live: torch.Tensor, nbytes, alive: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[j, i]: j prices no more than i in every recompute term (module docstring)."""
+    def no_worse(self, g: str, live: torch.Tensor, nbytes) -> torch.Tensor:
+        """[j, i]: j prices no more than i in g's own recompute terms, forward seconds
+        and the bytes kept when its block recomputes (module docstring)."""
         ok = torch.ones(len(live), len(live), dtype=torch.bool)
         if g in self.forward_s:
             f = self.forward_s[g][live]
@@ -229,8 +233,17 @@ class RecomputeTerms:
         if g in self.dropped and nbytes is not None:
             kept = nbytes[live] - self.dropped[g][live]
             ok &= kept[:, None] <= kept[None, :]
+        return ok
+
+    def edges_no_worse(self, g: str, alive: dict[str, torch.Tensor], j: torch.Tensor, i: torch.Tensor
+                       ) -> torch.Tensor:
+        """Per pair p (indices into g's live choices): j[p]'s forward price F is no worse
+        than i[p]'s against every class the other end can pick, on every edge into a block.
+        Pair by pair: the full [j, i] table is choices^2 x classes per edge, and on a mesh of
+        three axes most groups are left with a few pairs to test by then."""
+        ok = torch.ones(len(j), dtype=torch.bool)
         for b, _ in _blocks(g, self.edges, alive):
-            ok &= _worst_difference(b) <= 0
+            ok &= _pair_worst_difference(b, j, i) <= 0
         return ok
 
 
@@ -256,9 +269,10 @@ def _recompute_terms(model: IlpModel, pricer: EdgePricer, forward: EdgePricer) -
 
 def _probed_difference(b: torch.Tensor) -> torch.Tensor:
     """[j, i] -> max over probe columns r that i can meet of b[j, r] - b[i, r]: a lower
-    bound of _worst_difference (a max over fewer columns). The probes are i's cheapest
-    column, which makes the bound no looser than min_r b[j, r] - min_r b[i, r], and the
-    PROBE_COLUMNS columns whose prices differ most between choices. -INF where i meets none."""
+    bound of the worst difference (_pair_worst_difference: the max over all its columns).
+    The probes are i's cheapest column, which makes the bound no looser than
+    min_r b[j, r] - min_r b[i, r], and the PROBE_COLUMNS columns whose prices differ most
+    between choices. -INF where i meets none."""
     n, width = b.shape
     cheapest = b.argmin(1)
     least = b[torch.arange(n), cheapest]
@@ -272,25 +286,13 @@ def _probed_difference(b: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_worst_difference(b: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-    """_worst_difference(b)[j[p], i[p]] for each pair p."""
+    """For each pair p: the worst difference, the max over the columns r that i[p] can meet
+    of b[j[p], r] - b[i[p], r] (-INF where it meets none)."""
     out = torch.empty(len(j), dtype=torch.float64)
     step = max(1, MAX_CELLS // max(1, b.shape[1]))
     for lo in range(0, len(j), step):
         bj, bi = b[j[lo:lo + step]], b[i[lo:lo + step]]
         out[lo:lo + step] = torch.where(bi < INF, bj - bi, -INF).max(-1).values
-    return out
-
-
-def _worst_difference(b: torch.Tensor) -> torch.Tensor:
-    """[j, i] -> max over the columns r that i can meet of b[j, r] - b[i, r]."""
-    n, width = b.shape
-    out = torch.empty(n, n, dtype=torch.float64)
-    step = max(1, MAX_CELLS // max(1, n * width))
-    reachable = b < INF
-    for lo in range(0, n, step):  # j in [lo, lo + step) against every i
-        diff = b[lo:lo + step, None, :] - b[None, :, :]
-        diff = torch.where(reachable[None, :, :], diff, -INF)
-        out[lo:lo + step] = diff.max(-1).values
     return out
 
 
