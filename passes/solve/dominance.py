@@ -242,6 +242,8 @@ class RecomputeTerms:
         Pair by pair: the full [j, i] table is choices^2 x classes per edge, and on a mesh of
         three axes most groups are left with a few pairs to test by then."""
         ok = torch.ones(len(j), dtype=torch.bool)
+        if not len(j):  # nothing left to test: the live tables need not be cut
+            return ok
         for b, _ in _blocks(g, self.edges, alive):
             ok &= _pair_worst_difference(b, j, i) <= 0
         return ok
