@@ -79,18 +79,18 @@ def test_a_three_axis_plan_starts_from_its_merged_mesh_plan_and_is_no_worse():
 
 def _stopped_at_the_start(model, x):
     """The (2, 2, 2) plan when the solver stops before it has any plan of its own."""
-    original = solve_module.solve_program
+    original = solve_module.solve_ilp
 
     def stopped(program, options, start=()):
         if not start:  # the (2, 4) plan solves as usual
             return original(program, options, start)
         return Solution(SolveStatus.NOT_SOLVED, (0.0,) * len(program.cost), 0.0, None, 0.1)
 
-    solve_module.solve_program = stopped
+    solve_module.solve_ilp = stopped
     try:
         return _plan(model, (x,), mesh=(2, 2, 2), device="cpu")
     finally:
-        solve_module.solve_program = original
+        solve_module.solve_ilp = original
 
 
 def test_a_solver_stopped_with_nothing_returns_the_plan_it_started_from():
@@ -106,7 +106,7 @@ def test_a_solver_stopped_with_nothing_returns_the_plan_it_started_from():
 
 def _never_solved(monkeypatch):
     """Every solve stops at its time limit before it has a plan of its own."""
-    monkeypatch.setattr(solve_module, "solve_program", lambda program, options, start=(): Solution(
+    monkeypatch.setattr(solve_module, "solve_ilp", lambda program, options, start=(): Solution(
         SolveStatus.NOT_SOLVED, (0.0,) * len(program.cost), 0.0, None, 0.1))
 
 
@@ -144,16 +144,16 @@ def test_a_whole_start_is_a_solution_of_the_program_priced_as_the_plan_it_is(mon
     every row and bound as it is, and its objective must be the started plan's price."""
     model, x = MLP().train(), torch.randn(64, 16)
     seen = {}
-    original = solve_module.solve_program
+    original = solve_module.solve_ilp
 
     def keeping(program, options, start=None):
         if start is not None:
             seen["program"], seen["start"] = program, start
         return original(program, options, start)
 
-    monkeypatch.setattr(solve_module, "solve_program", keeping)
+    monkeypatch.setattr(solve_module, "solve_ilp", keeping)
     _plan(model, (x,), mesh=(2, 2, 2), device="cpu")
-    monkeypatch.setattr(solve_module, "solve_program", original)
+    monkeypatch.setattr(solve_module, "solve_ilp", original)
     program, (columns, values) = seen["program"], seen["start"]
     assert list(columns) == list(range(len(program.cost)))
     assert all(lo <= v <= up for lo, v, up in zip(program.lower, values, program.upper))

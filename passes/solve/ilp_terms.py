@@ -103,7 +103,7 @@ def link_classes(prob: LinearProgram, src: Classes, dst: Classes, matrix: Matrix
     for o, row in enumerate(cost):
         for r, c in enumerate(row):
             if c < INF:
-                x = prob.column(binary=False)
+                x = prob.column(binary=False, priced=True)
                 terms.add(x, c * US)
                 forward.coef[x] = fwd[o][r] * US  # zero too: every flow of the edge is listed
                 by_src[o][x] = by_dst[r][x] = 1.0

@@ -46,6 +46,7 @@ from autopar.core.placement import Spec
 from autopar.cost_models.devices import budget_words, memory_budget
 from autopar.cost_models.model import CostModel
 from autopar.passes.strategies.clusters import Blocks, cluster, find_blocks, shared_blocks_of
+from autopar.passes.solve.column_generation import solve_ilp
 from autopar.passes.solve.dominance import prefer_smaller, prune_dominated
 from autopar.passes.solve.greedy import greedy_picks
 from autopar.passes.solve.ilp import (INF, US, EdgePricer, Ilp, IlpModel, Member, build_ilp, ilp_model,
@@ -54,7 +55,7 @@ from autopar.passes.solve.ilp_overlap import graph_shares, least_backward, least
 from autopar.passes.solve.prices import node_costs, node_memory
 from autopar.passes.solve.read_back import read_plan
 from autopar.passes.solve.recompute_ilp import block_terms
-from autopar.passes.solve.solver_backend import Solution, SolveStatus, solve_program, solver_name
+from autopar.passes.solve.solver_backend import Solution, SolveStatus, solver_name
 from autopar.passes.solve.warm_start import StartingLayouts, starting_picks, starting_solution
 from autopar.passes.strategies.strategies import AnnotatedGraph, PlannedNode
 
@@ -208,7 +209,7 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     ilp = build_ilp(model, pricer, objective, budget, forward, list_flows=start is not None)
     name = solver_name(options)
     started = starting_picks(model, ilp.variables, start) if start is not None else {}
-    solution = solve_program(ilp.program, options, starting_solution(model, ilp, started) if started else None)
+    solution = solve_ilp(ilp.program, options, starting_solution(model, ilp, started) if started else None)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
         raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
     # 4. read the choice back; where the solver stopped with no plan of its own, the start
@@ -290,7 +291,7 @@ def _smallest_footprint(model: IlpModel, pricer: EdgePricer, memory: dict[str, l
     """The fewest bytes per rank any plan needs: the optimum of the memory objective
     (with every block recomputed that drops bytes so)."""
     ilp = build_ilp(model, pricer, memory_objective, forward=forward)
-    solution = solve_program(ilp.program, options)
+    solution = solve_ilp(ilp.program, options)
     picks = _picks(ilp, solution, "memory")
     member = model.groups
     total = sum(memory[n.name][member[n.name].index_map[picks[member[n.name].leader]]] for n in model.graph.nodes)

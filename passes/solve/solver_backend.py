@@ -50,9 +50,13 @@ class LinearProgram:
     row_index: list[int] = field(default_factory=list)
     row_value: list[float] = field(default_factory=list)
     constant: float = 0.0
+    # per column: whether a solver may leave it out until its reduced cost asks for it
+    # (an edge's flow, passes/solve/column_generation.py)
+    priced: list[bool] = field(default_factory=list)
 
-    def column(self, binary: bool) -> int:
+    def column(self, binary: bool, priced: bool = False) -> int:
         """A new column, x >= 0 (and <= 1 when binary); its index."""
+        self.priced.append(priced)
         self.cost.append(0.0)
         self.lower.append(0.0)
         self.upper.append(1.0 if binary else float("inf"))
@@ -145,7 +149,7 @@ Outcome = tuple[SolveStatus, tuple[float, ...], float, Optional[float], Optional
 
 
 def _run_highs(p: LinearProgram, time_limit_s: float, start: Optional[Start] = None, gap: float = 1e-4) -> Outcome:
-    h = _quiet_highs()
+    h = quiet_highs()
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", float(gap))
     lp = highspy.HighsLp()
@@ -203,7 +207,7 @@ def _highs_base():
     return getattr(getattr(highspy, "_core", None), "_Highs", None) or highspy.Highs
 
 
-def _quiet_highs():
+def quiet_highs():
     h = _highs_base()()
     h.setOptionValue("output_flag", False)
     for k, v in _highs_options().items():
