@@ -27,6 +27,7 @@ in the summary) rather than a solve of the whole ILP that does not end in its ti
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -78,7 +79,9 @@ class _Columns:
 
 
 def solve_by_columns(p: LinearProgram, options: Options, start: Start) -> Solution:
-    """The module docstring's steps, within options.time_limit_s, to options.mip_gap."""
+    """The module docstring's steps, within options.time_limit_s, to options.mip_gap. Where
+    the master's LP has no optimum (a start over a memory budget makes it infeasible), the
+    whole program goes to the solver with the time that is left."""
     t0 = time.perf_counter()
     deadline = t0 + options.time_limit_s
     cols = _Columns(p)
@@ -93,15 +96,15 @@ def solve_by_columns(p: LinearProgram, options: Options, start: Start) -> Soluti
     cols.add_to(h, master)
     inside = np.zeros(len(p.cost), dtype=bool)
     inside[master] = True
-    z_lp, reduced = _price(h, cols, priced, inside, deadline)
-    order = [master]
-    if reduced is not None:
-        order += [reduced[1]]
-        reduced = reduced[0]
-    master = np.concatenate(order)
-    solution = _master_mip(h, p, master, first[master], options.mip_gap, deadline)
-    status, values, z, gap, bound = solution
-    if reduced is not None and status is SolveStatus.OPTIMAL:
+    z_lp, reduced, joined = _price(h, cols, priced, inside, deadline)
+    if z_lp is None and time.perf_counter() < deadline:
+        left = replace(options, time_limit_s=max(1.0, deadline - time.perf_counter()))
+        return solve_program(p, left, start)
+    master = np.concatenate([master, joined])
+    status, values, z, gap, bound = _master_mip(h, p, master, first[master], options.mip_gap, deadline)
+    if reduced is None:
+        bound = None  # the master's bound is its own, not the whole program's
+    elif status is SolveStatus.OPTIMAL:
         near = np.flatnonzero(priced & ~inside & (reduced <= z - z_lp + TOLERANCE * max(1.0, abs(z))))
         if 0 < len(near) <= CLOSE_AT_MOST:
             cols.add_to(h, near)
@@ -111,10 +114,8 @@ def solve_by_columns(p: LinearProgram, options: Options, start: Start) -> Soluti
         elif len(near):
             status, bound = SolveStatus.FEASIBLE, z_lp
             gap = (z - z_lp) / max(abs(z), 1e-9)
-    elif reduced is not None:
+    elif status is SolveStatus.FEASIBLE:
         bound = z_lp if bound is None else min(bound, z_lp)  # a plan outside the master costs at least z_lp
-    else:
-        bound = None  # the master's bound is its own, not the whole ILP's
     full = np.zeros(len(p.cost))
     full[master] = values
     return Solution(status, tuple(full), z, gap, time.perf_counter() - t0, bound)
@@ -125,29 +126,27 @@ def _padded(values: np.ndarray, extra: int) -> np.ndarray:
 
 
 def _price(h, cols: _Columns, priced: np.ndarray, inside: np.ndarray, deadline: float
-           ) -> tuple[float, Optional[tuple[np.ndarray, np.ndarray]]]:
-    """The price step: the LP optimum over every column, and the reduced costs at it with
-    the columns that joined the master, in the order they joined; None for them where
-    the time ran out or the LP did not solve (the master then stands as it is)."""
-    joined: list[np.ndarray] = []
+           ) -> tuple[Optional[float], Optional[np.ndarray], np.ndarray]:
+    """The price step: the LP optimum over every column and the reduced costs at it (None,
+    None where the time ran out or the LP has no optimum), and the columns that joined the
+    master, in the order they joined."""
+    joined: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
     while True:
         h.setOptionValue("time_limit", max(0.1, deadline - time.perf_counter()))
         h.run()
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            return float("-inf"), None
+            return None, None, np.concatenate(joined)
         reduced = cols.reduced_costs(np.asarray(h.getSolution().row_dual))
         z_lp = h.getInfo().objective_function_value
         candidates = np.flatnonzero(priced & ~inside & (reduced < -TOLERANCE * max(1.0, abs(z_lp))))
         if not len(candidates):
-            return z_lp, (reduced, np.concatenate(joined) if joined else np.zeros(0, dtype=np.int64))
+            return z_lp, reduced, np.concatenate(joined)
         if len(candidates) > ADD_PER_ROUND:
             candidates = candidates[np.argsort(reduced[candidates], kind="stable")[:ADD_PER_ROUND]]
             candidates.sort()
         cols.add_to(h, candidates)
         inside[candidates] = True
         joined.append(candidates)
-        if time.perf_counter() >= deadline:
-            return float("-inf"), None
 
 
 def _master_mip(h, p: LinearProgram, master: np.ndarray, start: np.ndarray, gap: float, deadline: float,
