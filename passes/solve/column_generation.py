@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from autopar.core.log import LOG
 from autopar.core.options import Options
 from autopar.passes.solve.solver_backend import (LinearProgram, Solution, SolveStatus, Start, highspy, quiet_highs,
                                                  solve_program, solver_name)
@@ -97,6 +98,8 @@ def solve_by_columns(p: LinearProgram, options: Options, start: Start) -> Soluti
     inside = np.zeros(len(p.cost), dtype=bool)
     inside[master] = True
     z_lp, reduced, joined = _price(h, cols, priced, inside, deadline)
+    LOG.info("column generation: LP %s over %d of %d columns, %.1f s", "no optimum" if z_lp is None else f"{z_lp:.1f}",
+             len(master) + len(joined), len(p.cost), time.perf_counter() - t0)
     if z_lp is None and time.perf_counter() < deadline:
         left = replace(options, time_limit_s=max(1.0, deadline - time.perf_counter()))
         return solve_program(p, left, start)
@@ -104,8 +107,12 @@ def solve_by_columns(p: LinearProgram, options: Options, start: Start) -> Soluti
     status, values, z, gap, bound = _master_mip(h, p, master, first[master], options.mip_gap, deadline)
     if reduced is None:
         bound = None  # the master's bound is its own, not the whole program's
+    elif status is SolveStatus.OPTIMAL and z - z_lp <= options.mip_gap * max(1.0, abs(z)):
+        bound = z_lp  # the LP's bound already proves the master's plan within the gap
     elif status is SolveStatus.OPTIMAL:
         near = np.flatnonzero(priced & ~inside & (reduced <= z - z_lp + TOLERANCE * max(1.0, abs(z))))
+        LOG.info("column generation: master ILP %.1f, %d columns within its gap to the LP, %.1f s", z, len(near),
+                 time.perf_counter() - t0)
         if 0 < len(near) <= CLOSE_AT_MOST:
             cols.add_to(h, near)
             master = np.concatenate([master, near])
@@ -135,6 +142,7 @@ def _price(h, cols: _Columns, priced: np.ndarray, inside: np.ndarray, deadline: 
         h.setOptionValue("time_limit", max(0.1, deadline - time.perf_counter()))
         h.run()
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            LOG.info("column generation: the master's LP is %s", h.modelStatusToString(h.getModelStatus()))
             return None, None, np.concatenate(joined)
         reduced = cols.reduced_costs(np.asarray(h.getSolution().row_dual))
         z_lp = h.getInfo().objective_function_value

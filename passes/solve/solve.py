@@ -10,7 +10,9 @@
    the ILP over the groups (passes/solve/ilp.py, whose docstring states the model: one
    function per constraint family) and solve it for the least time within the memory
    budget; when no plan fits, solve it again for the least memory to report. A mesh of
-   three axes or more starts the solver from its merged mesh's plan (passes/solve/warm_start.py);
+   three axes or more starts the solver from its merged mesh's plan (passes/solve/warm_start.py),
+   and an ILP of that start with very many flows is solved by column generation over them
+   (passes/solve/column_generation.py);
 4. read the leaders' choices back into a Plan (under a budget, each group moved to the
    smallest of its equally fast choices), with the blocks it recomputes. Where the solver
    stopped at its time limit with no plan of its own: the start when it sets every group,
