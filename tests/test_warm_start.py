@@ -81,9 +81,9 @@ def _stopped_at_the_start(model, x):
     """The (2, 2, 2) plan when the solver stops before it has any plan of its own."""
     original = solve_module.solve_ilp
 
-    def stopped(program, options, start=()):
+    def stopped(program, options, start=(), **how):
         if not start:  # the (2, 4) plan solves as usual
-            return original(program, options, start)
+            return original(program, options, start, **how)
         return Solution(SolveStatus.NOT_SOLVED, (0.0,) * len(program.cost), 0.0, None, 0.1)
 
     solve_module.solve_ilp = stopped
@@ -106,7 +106,7 @@ def test_a_solver_stopped_with_nothing_returns_the_plan_it_started_from():
 
 def _never_solved(monkeypatch):
     """Every solve stops at its time limit before it has a plan of its own."""
-    monkeypatch.setattr(solve_module, "solve_ilp", lambda program, options, start=(): Solution(
+    monkeypatch.setattr(solve_module, "solve_ilp", lambda program, options, start=(), **how: Solution(
         SolveStatus.NOT_SOLVED, (0.0,) * len(program.cost), 0.0, None, 0.1))
 
 
@@ -146,10 +146,10 @@ def test_a_whole_start_is_a_solution_of_the_program_priced_as_the_plan_it_is(mon
     seen = {}
     original = solve_module.solve_ilp
 
-    def keeping(program, options, start=None):
+    def keeping(program, options, start=None, **how):
         if start is not None:
             seen["program"], seen["start"] = program, start
-        return original(program, options, start)
+        return original(program, options, start, **how)
 
     monkeypatch.setattr(solve_module, "solve_ilp", keeping)
     _plan(model, (x,), mesh=(2, 2, 2), device="cpu")

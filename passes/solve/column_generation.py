@@ -18,6 +18,11 @@ shape, 2 layers on (2, 2, 2), 1.9 M columns, of which HiGHS needs about 90 thous
              feasible x and a flow is 0 or 1 in every integral plan; so the master's
              optimum is the whole ILP's.
 
+Under a memory budget the solve goes whole: there the master's LP, with the memory row and
+the recompute family's big-M rows, grows slow to re-solve as columns join (the 4-layer
+Llama-3-8B shape on (2, 2, 2) under 70 GiB: past 300 s without converging, against HiGHS's
+whole solve stopping at its 120 s limit with the same plan).
+
 Where the gap z - z_LP lets in more columns than CLOSE_AT_MOST (the LP relaxation is weak:
 two layers on (2, 2, 2) give 1.2 %, and 1.6 M of the 1.9 M flows would join), the close is
 skipped: the plan is z's, reported Feasible with z_LP as its proven bound (its gap printed
@@ -43,11 +48,12 @@ CLOSE_AT_MOST = 250_000  # the close step's columns beyond which the plan is ret
 TOLERANCE = 1e-6  # of the objective (microseconds): a reduced cost below -TOLERANCE is negative
 
 
-def solve_ilp(program: LinearProgram, options: Options, start: Optional[Start] = None) -> Solution:
-    """solve_program, by column generation where HiGHS solves, the program has at least
-    PRICED_FROM priced columns and `start` sets every column (a feasible master)."""
+def solve_ilp(program: LinearProgram, options: Options, start: Optional[Start] = None,
+              by_columns: bool = True) -> Solution:
+    """solve_program, by column generation where `by_columns`, HiGHS solves, the program has
+    at least PRICED_FROM priced columns and `start` sets every column (a feasible master)."""
     complete = start is not None and len(start[0]) == len(program.cost)
-    if not complete or solver_name(options) != "highs" or sum(program.priced) < PRICED_FROM:
+    if not (by_columns and complete) or solver_name(options) != "highs" or sum(program.priced) < PRICED_FROM:
         return solve_program(program, options, start)
     return solve_by_columns(program, options, start)
 
@@ -139,7 +145,7 @@ def _price(h, cols: _Columns, priced: np.ndarray, inside: np.ndarray, deadline: 
     master, in the order they joined."""
     joined: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
     while True:
-        h.setOptionValue("time_limit", max(0.1, deadline - time.perf_counter()))
+        _limit(h, deadline)
         h.run()
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             LOG.info("column generation: the master's LP is %s", h.modelStatusToString(h.getModelStatus()))
@@ -157,6 +163,12 @@ def _price(h, cols: _Columns, priced: np.ndarray, inside: np.ndarray, deadline: 
         joined.append(candidates)
 
 
+def _limit(h, deadline: float) -> None:
+    """HiGHS's time limit for its next run: its run clock counts every run of the same
+    model, so the limit is what it has run plus what is left to the deadline."""
+    h.setOptionValue("time_limit", h.getRunTime() + max(0.1, deadline - time.perf_counter()))
+
+
 def _master_mip(h, p: LinearProgram, master: np.ndarray, start: np.ndarray, gap: float, deadline: float,
                 integral_from: int = 0) -> tuple[SolveStatus, np.ndarray, float, Optional[float], Optional[float]]:
     """The master as an ILP (its binary columns from `integral_from` on made integral),
@@ -166,7 +178,7 @@ def _master_mip(h, p: LinearProgram, master: np.ndarray, start: np.ndarray, gap:
     if len(integral):
         h.changeColsIntegrality(len(integral), integral, np.full(len(integral), highspy.HighsVarType.kInteger))
     h.setOptionValue("mip_rel_gap", float(gap))
-    h.setOptionValue("time_limit", max(0.1, deadline - time.perf_counter()))
+    _limit(h, deadline)
     h.setSolution(len(master), np.arange(len(master), dtype=np.int32), start)
     h.run()
     info = h.getInfo()

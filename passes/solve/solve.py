@@ -211,7 +211,8 @@ def _solve(graph: AnnotatedGraph, costs: CostModel, options: Options, start: Opt
     ilp = build_ilp(model, pricer, objective, budget, forward, list_flows=start is not None)
     name = solver_name(options)
     started = starting_picks(model, ilp.variables, start) if start is not None else {}
-    solution = solve_ilp(ilp.program, options, starting_solution(model, ilp, started) if started else None)
+    solution = solve_ilp(ilp.program, options, starting_solution(model, ilp, started) if started else None,
+                         by_columns=budget is None)  # under a budget the master's LP grows hard (column_generation.py)
     if solution.status is SolveStatus.INFEASIBLE and budget is not None:
         raise MemoryBudgetError(budget, _smallest_footprint(model, pricer, memory, options, forward))
     # 4. read the choice back; where the solver stopped with no plan of its own, the start
