@@ -5,7 +5,10 @@ sharded and gathered where used, blocks recomputed). Prints the seconds of the w
 of each dominance pruning (passes/solve/dominance.py; the first is the warm start's merged
 two-axis mesh), the ILP's columns and rows, the solver's status and the plan's digest.
 
-    python bench/three_axis_budget.py [--layers 32] [--mesh 2,2,2] [--time-limit-s 120]
+    python bench/three_axis_budget.py [--layers 32] [--mesh 2,2,2] [--time-limit-s 120] [--budget-gib 70]
+
+--budget-gib 0 plans without a budget: the solve then goes by column generation
+(passes/solve/column_generation.py), and the line also prints the proven bound.
 
 This is the shape of the plain candidate of pipeline_axis="auto" on a three-axis mesh
 (the Llama-3.1-405B shape on (8, 8, 8) is the same problem, larger), and of mesh="auto"'s
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--mesh", default="2,2,2")
     ap.add_argument("--time-limit-s", type=float, default=120.0)
+    ap.add_argument("--budget-gib", type=float, default=70.0, help="0: no budget")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     mesh = tuple(int(x) for x in args.mesh.split(","))
@@ -50,12 +54,14 @@ def main() -> None:
                                   num_hidden_layers=args.layers)
     t0 = time.perf_counter()
     plan = autopar.plan(model, inputs, kwargs, mesh=mesh, device="h100", param_dtype=torch.bfloat16,
-                        memory_budget_bytes=70 * 2**30, time_limit_s=args.time_limit_s)
+                        memory_budget_bytes=int(args.budget_gib * 2**30) or None, time_limit_s=args.time_limit_s)
     seconds = time.perf_counter() - t0
     s = plan.solver
-    print(f"Llama-3-8B shape, {args.layers} layers, on {mesh}, bf16, 70 GiB: {seconds:.1f} s; pruning "
+    bound = f", bound {s.bound_s * 1e3:.3f} ms" if s.bound_s is not None else ""
+    budget = f"{args.budget_gib:g} GiB" if args.budget_gib else "no budget"
+    print(f"Llama-3-8B shape, {args.layers} layers, on {mesh}, bf16, {budget}: {seconds:.1f} s; pruning "
           f"{', '.join(f'{p:.1f}' for p in pruning_s)} s; ILP {s.variables:,} columns, {s.constraints:,} rows, "
-          f"solve {s.solve_time_s:.1f} s, {s.status}; step {plan.total_s * 1e3:.3f} ms, digest {plan.digest()}")
+          f"solve {s.solve_time_s:.1f} s, {s.status}; step {plan.total_s * 1e3:.3f} ms{bound}, digest {plan.digest()}")
 
 
 if __name__ == "__main__":
