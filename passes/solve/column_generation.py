@@ -24,7 +24,7 @@ Llama-3-8B shape on (2, 2, 2) under 70 GiB: past 300 s without converging, again
 whole solve stopping at its 120 s limit with the same plan).
 
 Where the gap z - z_LP lets in more columns than CLOSE_AT_MOST (the LP relaxation is weak:
-two layers on (2, 2, 2) give 1.2 %, and 1.6 M of the 1.9 M flows would join), the close is
+two layers on (2, 2, 2): 1.2 % between the LP and the starting plan, where 1.6 M of the 1.9 M flows would join), the close is
 skipped: the plan is z's, reported Feasible with z_LP as its proven bound (its gap printed
 in the summary) rather than a solve of the whole ILP that does not end in its time limit.
 """
