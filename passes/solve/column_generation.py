@@ -23,10 +23,11 @@ the recompute family's big-M rows, grows slow to re-solve as columns join (the 4
 Llama-3-8B shape on (2, 2, 2) under 70 GiB: past 300 s without converging, against HiGHS's
 whole solve stopping at its 120 s limit with the same plan).
 
-Where the gap z - z_LP lets in more columns than CLOSE_AT_MOST (the LP relaxation is weak:
-two layers on (2, 2, 2): 1.2 % between the LP and the starting plan, where 1.6 M of the 1.9 M flows would join), the close is
-skipped: the plan is z's, reported Feasible with z_LP as its proven bound (its gap printed
-in the summary) rather than a solve of the whole ILP that does not end in its time limit.
+Where the gap z - z_LP lets in more columns than CLOSE_AT_MOST, the close is skipped: the
+plan is z's, reported Feasible with z_LP as its proven bound (its gap printed in the
+summary) rather than a solve of the whole ILP that does not end in its time limit. The LP
+relaxation is weak on three axes: two layers on (2, 2, 2) lie 1.2 % between the LP and the
+starting plan, a gap that would let in 1.6 M of the 1.9 M flows.
 """
 
 from __future__ import annotations
