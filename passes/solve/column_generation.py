@@ -40,8 +40,8 @@ import numpy as np
 
 from autopar.core.log import LOG
 from autopar.core.options import Options
-from autopar.passes.solve.solver_backend import (LinearProgram, Solution, SolveStatus, Start, highspy, quiet_highs,
-                                                 solve_program, solver_name)
+from autopar.passes.solve.solver_backend import (LinearProgram, Solution, SolveStatus, Start, highs_outcome, highspy,
+                                                 quiet_highs, solve_program, solver_name)
 
 PRICED_FROM = 250_000  # fewer priced columns than this: the whole ILP goes to the solver at once
 ADD_PER_ROUND = 50_000  # the most negative reduced costs that join the master per LP round
@@ -182,11 +182,5 @@ def _master_mip(h, p: LinearProgram, master: np.ndarray, start: np.ndarray, gap:
     _limit(h, deadline)
     h.setSolution(len(master), np.arange(len(master), dtype=np.int32), start)
     h.run()
-    info = h.getInfo()
-    values = np.asarray(h.getSolution().col_value)
-    if info.primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
-        return SolveStatus.NOT_SOLVED, np.zeros(len(master)), 0.0, None, None
-    optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
-    bound = float(info.mip_dual_bound) if np.isfinite(info.mip_dual_bound) else None
-    return (SolveStatus.OPTIMAL if optimal else SolveStatus.FEASIBLE, values, info.objective_function_value,
-            float(info.mip_gap), bound)
+    status, values, objective, found_gap, bound = highs_outcome(h, len(master), mip=True)
+    return status, np.asarray(values), objective, found_gap, bound

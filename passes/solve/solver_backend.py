@@ -171,6 +171,12 @@ def _run_highs(p: LinearProgram, time_limit_s: float, start: Optional[Start] = N
         except TypeError:  # highspy before 1.8 takes whole solutions only: no start
             pass
     h.run()
+    return highs_outcome(h, len(p.cost), any(p.binary))
+
+
+def highs_outcome(h, columns: int, mip: bool) -> Outcome:
+    """What HiGHS's last run of `h` found: status, every column's value, objective, gap and
+    proven bound (a MIP's dual bound; an LP's optimum is its own bound)."""
     model_status = h.getModelStatus()
     codes = highspy.HighsModelStatus
     info = h.getInfo()
@@ -183,14 +189,14 @@ def _run_highs(p: LinearProgram, time_limit_s: float, start: Optional[Start] = N
         status = SolveStatus.FEASIBLE if solved else SolveStatus.NOT_SOLVED
     if status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
         values = tuple(h.getSolution().col_value)
-        if any(p.binary):
+        if mip:
             bound: Optional[float] = float(info.mip_dual_bound)
         else:  # an LP: its optimum is its own bound
             bound = info.objective_function_value if status is SolveStatus.OPTIMAL else None
         if bound is not None and not math.isfinite(bound):  # stopped before the root LP settled
             bound = None
         return status, values, info.objective_function_value, float(info.mip_gap), bound
-    return status, (0.0,) * len(p.cost), 0.0, None, None
+    return status, (0.0,) * columns, 0.0, None, None
 
 
 @cache
